@@ -1,0 +1,14 @@
+"""megastrategy: Megatron-LM parallelism for unchanged PyTorch Lightning modules."""
+from megastrategy.errors import MegatronConfigError
+
+__version__ = "0.1.0"
+__all__ = ["MegatronStrategy", "MegatronConfigError", "__version__"]
+
+
+def __getattr__(name):
+    # Lazy so that `import megastrategy.pipeline` does not pull in Lightning.
+    if name == "MegatronStrategy":
+        from megastrategy.strategy import MegatronStrategy
+
+        return MegatronStrategy
+    raise AttributeError(f"module 'megastrategy' has no attribute {name!r}")

@@ -1,0 +1,37 @@
+"""Pipeline parallelism: layer placement, per-rank schedules, and a timing simulator."""
+
+from megastrategy.pipeline.layer_assignment import assign_layers
+from megastrategy.pipeline.schedules import (
+    ScheduleStep,
+    forward_only_order,
+    forward_only_steps,
+    num_warmup_steps,
+    schedule_order,
+    schedule_steps,
+    validate_schedule,
+)
+from megastrategy.pipeline.simulator import (
+    PipelineDeadlockError,
+    ScheduleStats,
+    StepTiming,
+    draw_timeline,
+    simulate_schedule,
+    simulate_steps,
+)
+
+__all__ = [
+    "PipelineDeadlockError",
+    "ScheduleStats",
+    "ScheduleStep",
+    "StepTiming",
+    "assign_layers",
+    "draw_timeline",
+    "forward_only_order",
+    "forward_only_steps",
+    "num_warmup_steps",
+    "schedule_order",
+    "schedule_steps",
+    "simulate_schedule",
+    "simulate_steps",
+    "validate_schedule",
+]

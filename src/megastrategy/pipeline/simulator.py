@@ -1,0 +1,250 @@
+"""Timing model of pipeline schedules: bubble, makespan, memory, and a timeline picture.
+
+The model is the one the bubble formulas assume: each rank runs its order one step at a
+time; a forward of virtual stage ``s`` waits for the forward of stage ``s - 1`` on the same
+microbatch, a backward waits for its own forward and for the backward of stage ``s + 1``;
+a hop between ranks costs ``p2p_time``; sends never block. It lets the schedule be checked
+for deadlocks and for its bubble before any process group exists.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Sequence
+
+from megastrategy.errors import MegatronConfigError
+from megastrategy.pipeline.layer_assignment import check_positive_int
+from megastrategy.pipeline.schedules import ScheduleStep, forward_only_steps, schedule_steps, validate_schedule
+
+__all__ = [
+    "PipelineDeadlockError",
+    "ScheduleStats",
+    "StepTiming",
+    "draw_timeline",
+    "simulate_schedule",
+    "simulate_steps",
+]
+
+
+class PipelineDeadlockError(RuntimeError):
+    """The per-rank orders wait on each other (or on a step no rank runs)."""
+
+
+@dataclass(frozen=True)
+class StepTiming:
+    rank: int
+    index: int  # position in the rank's order
+    is_forward: bool
+    chunk: int
+    microbatch: int
+    start: float
+    end: float
+
+
+@dataclass
+class ScheduleStats:
+    """Result of a simulation; times are in the units of ``forward_time``/``backward_time``."""
+
+    num_microbatches: int
+    pp_size: int
+    vp_size: int
+    group_size: int | None
+    makespan: float
+    busy: list[float]  # per rank
+    idle: list[float]  # per rank: makespan - busy
+    bubble_fraction: float  # sum(idle) / (pp_size * makespan)
+    peak_in_flight: list[int]  # per rank: most (chunk, microbatch) forwards awaiting their backward
+    timeline: list[list[StepTiming]] = field(repr=False)  # per rank, in execution order
+
+    @property
+    def total_idle(self) -> float:
+        return sum(self.idle)
+
+
+def _stage(rank: int, chunk: int, pp_size: int) -> int:
+    return chunk * pp_size + rank
+
+
+def simulate_steps(
+    steps_per_rank: Sequence[Sequence[ScheduleStep | tuple[bool, int, int]]],
+    vp_size: int = 1,
+    *,
+    forward_time: float = 1.0,
+    backward_time: float = 2.0,
+    p2p_time: float = 0.0,
+    num_microbatches: int | None = None,
+    group_size: int | None = None,
+) -> ScheduleStats:
+    """Simulate arbitrary per-rank orders (one list of ``(is_forward, chunk, microbatch)`` per rank).
+
+    A step's start time depends only on when its dependencies and its rank's previous step
+    finished, so ranks are advanced in any order until all are done or none can move
+    (a deadlock, reported with what each stuck rank is waiting for).
+    """
+    pp_size = len(steps_per_rank)
+    check_positive_int("pp_size", pp_size)
+    check_positive_int("vp_size", vp_size)
+    for name, value in (("forward_time", forward_time), ("backward_time", backward_time), ("p2p_time", p2p_time)):
+        if value < 0:
+            raise MegatronConfigError(f"{name}={value} must be >= 0.")
+    orders = [[ScheduleStep(*s) for s in steps] for steps in steps_per_rank]
+    for rank, order in enumerate(orders):
+        seen = set()
+        for step in order:
+            if not 0 <= step.chunk < vp_size:
+                raise MegatronConfigError(f"rank {rank} has step {step} with chunk outside [0, {vp_size}).")
+            if step in seen:
+                raise MegatronConfigError(f"rank {rank} runs step {step} twice.")
+            seen.add(step)
+    num_stages = pp_size * vp_size
+
+    done: dict[tuple[bool, int, int], float] = {}  # (is_forward, stage, microbatch) -> end time
+    position = [0] * pp_size
+    free_at = [0.0] * pp_size
+    timeline: list[list[StepTiming]] = [[] for _ in range(pp_size)]
+
+    def dependencies(rank: int, step: ScheduleStep) -> list[tuple[tuple[bool, int, int], bool]]:
+        """(key, crosses_ranks) pairs the step waits for."""
+        s = _stage(rank, step.chunk, pp_size)
+        if step.is_forward:
+            if s == 0:
+                return []
+            return [((True, s - 1, step.microbatch), (s - 1) % pp_size != rank)]
+        deps = [((True, s, step.microbatch), False)]
+        if s < num_stages - 1:
+            deps.append(((False, s + 1, step.microbatch), (s + 1) % pp_size != rank))
+        return deps
+
+    remaining = sum(len(o) for o in orders)
+    while remaining:
+        progressed = False
+        for rank, order in enumerate(orders):
+            while position[rank] < len(order):
+                step = order[position[rank]]
+                deps = dependencies(rank, step)
+                if any(key not in done for key, _ in deps):
+                    break
+                start = max([free_at[rank]] + [done[key] + (p2p_time if cross else 0.0) for key, cross in deps])
+                end = start + (forward_time if step.is_forward else backward_time)
+                done[(step.is_forward, _stage(rank, step.chunk, pp_size), step.microbatch)] = end
+                timeline[rank].append(StepTiming(rank, position[rank], *step, start, end))
+                free_at[rank] = end
+                position[rank] += 1
+                remaining -= 1
+                progressed = True
+        if not progressed:
+            stuck = []
+            for rank, order in enumerate(orders):
+                if position[rank] < len(order):
+                    step = order[position[rank]]
+                    waits = [k for k, _ in dependencies(rank, step) if k not in done]
+                    desc = ", ".join(
+                        f"{'forward' if f else 'backward'} of stage {s} "
+                        f"(rank {s % pp_size}, chunk {s // pp_size}) mb {m}"
+                        for f, s, m in waits
+                    )
+                    stuck.append(f"rank {rank} step {position[rank]} {step} waits for {desc}")
+            raise PipelineDeadlockError("pipeline schedule deadlocks: " + "; ".join(stuck))
+
+    makespan = max(free_at) if pp_size else 0.0
+    busy = [sum(t.end - t.start for t in row) for row in timeline]
+    idle = [makespan - b for b in busy]
+    bubble = sum(idle) / (pp_size * makespan) if makespan > 0 else 0.0
+    peaks = []
+    for order in orders:
+        live = peak = 0
+        for step in order:
+            live += 1 if step.is_forward else -1
+            peak = max(peak, live)
+        peaks.append(peak)
+    if num_microbatches is None:
+        num_microbatches = len({s.microbatch for o in orders for s in o})
+    return ScheduleStats(
+        num_microbatches, pp_size, vp_size, group_size, makespan, busy, idle, bubble, peaks, timeline
+    )
+
+
+def simulate_schedule(
+    num_microbatches: int,
+    pp_size: int,
+    vp_size: int = 1,
+    group_size: int | None = None,
+    forward_time: float = 1.0,
+    backward_time: float = 2.0,
+    p2p_time: float = 0.0,
+    *,
+    forward_only: bool = False,
+) -> ScheduleStats:
+    """Simulate the schedule every rank gets from :func:`schedule_steps` (or the forward-only one).
+
+    ``forward_time``/``backward_time`` are per step, i.e. per model chunk: to compare with a
+    non-interleaved run of the same model, divide the stage times by ``vp_size``.
+    """
+    if forward_only:
+        check_positive_int("pp_size", pp_size)
+        steps = forward_only_steps(num_microbatches, vp_size, group_size)
+        orders = [steps] * pp_size
+        group = group_size
+    else:
+        group = validate_schedule(num_microbatches, pp_size, vp_size, group_size)
+        orders = [schedule_steps(num_microbatches, pp_size, r, vp_size, group_size) for r in range(pp_size)]
+    return simulate_steps(
+        orders,
+        vp_size,
+        forward_time=forward_time,
+        backward_time=backward_time,
+        p2p_time=p2p_time,
+        num_microbatches=num_microbatches,
+        group_size=group,
+    )
+
+
+_FORWARD_COLORS = ["#4C72B0", "#8FB4E3", "#2A4D7A", "#B9D3F0"]
+_BACKWARD_COLORS = ["#DD8452", "#F2B48C", "#A0522D", "#F8D3B8"]
+
+
+def draw_timeline(stats: ScheduleStats, path: str | os.PathLike, title: str | None = None) -> None:
+    """Write a PNG: one row per rank, a box per step labelled with its microbatch, idle left blank.
+
+    Uses a bare Agg figure so that drawing never touches the caller's pyplot state or backend.
+    """
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+    from matplotlib.patches import Patch
+
+    width = max(6.0, min(24.0, 0.35 * stats.makespan + 2.0))
+    fig = Figure(figsize=(width, 0.6 * stats.pp_size + 1.6))
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot(1, 1, 1)
+    for rank, row in enumerate(stats.timeline):
+        y = stats.pp_size - 1 - rank  # rank 0 on top
+        for t in row:
+            palette = _FORWARD_COLORS if t.is_forward else _BACKWARD_COLORS
+            color = palette[t.chunk % len(palette)]
+            ax.broken_barh(
+                [(t.start, t.end - t.start)], (y - 0.4, 0.8), facecolors=color, edgecolors="black", linewidth=0.6
+            )
+            text_color = "white" if t.chunk % 2 == 0 else "black"
+            mid = (t.start + t.end) / 2
+            ax.text(mid, y, str(t.microbatch), ha="center", va="center", fontsize=8, color=text_color)
+    ax.set_yticks(range(stats.pp_size))
+    ax.set_yticklabels([f"rank {r}" for r in reversed(range(stats.pp_size))])
+    ax.set_xlim(0, stats.makespan)
+    ax.set_ylim(-0.6, stats.pp_size - 0.4)
+    ax.set_xlabel("time")
+    handles = []
+    for c in range(stats.vp_size):
+        suffix = f" chunk {c}" if stats.vp_size > 1 else ""
+        handles.append(Patch(facecolor=_FORWARD_COLORS[c % 4], edgecolor="black", label=f"forward{suffix}"))
+    for c in range(stats.vp_size):
+        suffix = f" chunk {c}" if stats.vp_size > 1 else ""
+        handles.append(Patch(facecolor=_BACKWARD_COLORS[c % 4], edgecolor="black", label=f"backward{suffix}"))
+    ax.legend(
+        handles=handles, loc="upper center", bbox_to_anchor=(0.5, -0.28), ncol=len(handles), fontsize=8, frameon=False
+    )
+    if title is None:
+        title = f"pp={stats.pp_size}, vp={stats.vp_size}, m={stats.num_microbatches}"
+    ax.set_title(f"{title}  (bubble {stats.bubble_fraction:.1%}, boxes = microbatch id)", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(os.fspath(path), dpi=130)

@@ -1,0 +1,330 @@
+"""``MegatronStrategy``: Megatron-LM parallelism as a Lightning strategy for unchanged modules.
+
+The strategy orchestrates; the work lives elsewhere:
+- ``parallel_state``: the rank grid and its process groups (owned here, never global);
+- ``layers``: tensor-parallel layers and the plan that rewrites the user's module into them;
+- ``ddp``: the contiguous fp32 gradient buffer, its data-parallel reduction and global-norm clipping.
+
+Lifecycle (Lightning calls these in this order):
+``_configure_launcher`` (validate the layout before any process starts) → ``setup_environment``
+(default group, then our groups) → ``setup`` (shard, gradient buffer, optimizers) → steps.
+"""
+from __future__ import annotations
+
+import logging
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, Callable, Literal, Mapping, Optional, Union
+
+import torch
+import torch.distributed as dist
+from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.trainer.states import TrainerFn
+from torch import nn
+
+from megastrategy import checkpoint_io
+from megastrategy.batch_broadcast import broadcast_batch
+from megastrategy.ddp.grad_buffer import DEFAULT_BUCKET_NUMEL, GradientBuffer
+from megastrategy.ddp.grad_clip import clip_grad_norm_
+from megastrategy.errors import MegatronConfigError
+from megastrategy.layers.plan import ResolvedPlan, apply_tp_plan, resolve_tp_plan
+from megastrategy.layers.random import ModelParallelRNGTracker
+from megastrategy.layers.shard_spec import get_shard_spec
+from megastrategy.parallel_state import DEFAULT_ORDER, ParallelLayout, ParallelState
+
+log = logging.getLogger(__name__)
+
+_NOT_YET = {
+    "pp": "pipeline parallelism (pp > 1)",
+    "vp": "the interleaved pipeline schedule (vp)",
+    "cp": "context parallelism (cp > 1)",
+    "ep": "expert parallelism (ep > 1)",
+    "pipeline_layers": "pipeline stage cutting (pipeline_layers)",
+    "num_microbatches": "pipeline microbatching (num_microbatches)",
+}
+
+
+class MegatronStrategy(DDPStrategy):
+    """Tensor, pipeline, data and expert parallelism for an existing ``LightningModule``.
+
+    Args:
+        tp: tensor-parallel size; every layer the plan names is split over ``tp`` ranks.
+        pp, vp, cp, ep, etp, num_microbatches, pipeline_layers: pipeline/context/expert
+            parallelism (see the README's feature table for what is available).
+        tp_plan: ``{glob over named_modules(): "column" | "row" | "vocab" | "replicate"}``;
+            ``None`` detects Hugging Face BERT/GPT-2/Llama and ``torch.nn.Transformer*Layer``.
+        order: how the rank grid is laid out, first dimension varying fastest.
+        broadcast_batch: broadcast each batch from the first TP rank of its replica so that
+            random data pipelines cannot diverge across TP ranks; ``None`` = when ``tp > 1``.
+        grad_reduce_in_fp32: accumulate and all-reduce gradients in fp32.
+        bucket_numel: elements per data-parallel all-reduce bucket.
+        timeout: the limit for every collective.
+    """
+
+    strategy_name = "megatron"
+
+    def __init__(
+        self,
+        tp: int = 1,
+        pp: int = 1,
+        vp: Optional[int] = None,
+        cp: int = 1,
+        ep: int = 1,
+        etp: Optional[int] = None,
+        num_microbatches: Optional[int] = None,
+        tp_plan: Optional[Mapping[str, str]] = None,
+        pipeline_layers: Optional[str] = None,
+        order: str = DEFAULT_ORDER,
+        broadcast_batch: Optional[bool] = None,
+        grad_reduce_in_fp32: bool = True,
+        bucket_numel: int = DEFAULT_BUCKET_NUMEL,
+        timeout: timedelta = timedelta(minutes=10),
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(timeout=timeout, **kwargs)
+        for name, value in (("tp", tp), ("pp", pp), ("cp", cp), ("ep", ep)):
+            if not isinstance(value, int) or value < 1:
+                raise MegatronConfigError(f"MegatronStrategy({name}={value!r}): must be a positive integer.")
+        requested = {
+            "pp": pp > 1,
+            "vp": vp is not None,
+            "cp": cp > 1,
+            "ep": ep > 1,
+            "pipeline_layers": pipeline_layers is not None,
+            "num_microbatches": num_microbatches is not None,
+        }
+        for name, asked in requested.items():
+            if asked:
+                raise NotImplementedError(
+                    f"MegatronStrategy({name}=...): {_NOT_YET[name]} is not available in this version; "
+                    "tensor parallelism (tp) with data parallelism is."
+                )
+        if tp_plan is not None and not isinstance(tp_plan, Mapping):
+            raise MegatronConfigError(
+                f"tp_plan={tp_plan!r}: expected a dict from module-name globs to "
+                "'column' | 'row' | 'vocab' | 'replicate', e.g. {'blocks.*.attn.qkv': 'column'}."
+            )
+        self.tp, self.pp, self.vp, self.cp, self.ep = tp, pp, vp, cp, ep
+        self.etp = etp if etp is not None else tp
+        self.order = order
+        self.tp_plan = dict(tp_plan) if tp_plan is not None else None
+        self._broadcast_batch = broadcast_batch
+        self.grad_reduce_in_fp32 = grad_reduce_in_fp32
+        self.bucket_numel = bucket_numel
+        self.layout: Optional[ParallelLayout] = None
+        self.parallel_state: Optional[ParallelState] = None
+        self.rng_tracker: Optional[ModelParallelRNGTracker] = None
+        self.resolved_plan: Optional[ResolvedPlan] = None
+        self.grad_buffer: Optional[GradientBuffer] = None
+
+    # ------------------------------------------------------------------ validation & groups
+    def _validate_layout(self) -> ParallelLayout:
+        world = self.num_nodes * self.num_processes
+        return ParallelLayout(
+            world_size=world, tp=self.tp, pp=self.pp, cp=self.cp, ep=self.ep, etp=self.etp, vp=self.vp, order=self.order
+        )
+
+    def _configure_launcher(self) -> None:
+        # The earliest point where the world size is known, in the launching process:
+        # a bad layout fails here, before any process is started or group created.
+        self.layout = self._validate_layout()
+        super()._configure_launcher()
+
+    def _resolve_plan(self) -> None:
+        module = self.lightning_module
+        if module is None or self.resolved_plan is not None or getattr(module, "_megastrategy_sharded", False):
+            return
+        if not any(True for _ in module.parameters()):
+            return  # built in configure_model(); resolved in setup()
+        self.resolved_plan = resolve_tp_plan(module, self.tp_plan, self.tp)
+
+    def setup_environment(self) -> None:
+        self.layout = self._validate_layout()
+        self._resolve_plan()  # plan errors also come before the first collective
+        super().setup_environment()  # default process group
+        if self.parallel_state is None or self.parallel_state.layout != self.layout:
+            self.parallel_state = ParallelState(
+                self.layout, self.global_rank, backend=self._process_group_backend, timeout=self._timeout
+            )
+        log.info(self.parallel_state.describe())
+
+    @property
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        ps = self._state()
+        return {"num_replicas": ps.dp_size, "rank": ps.dp_rank}
+
+    def _state(self) -> ParallelState:
+        if self.parallel_state is None:
+            raise RuntimeError("MegatronStrategy: process groups are not set up yet (setup_environment has not run).")
+        return self.parallel_state
+
+    # ------------------------------------------------------------------ model
+    def setup(self, trainer: "pl.Trainer") -> None:  # noqa: F821
+        assert self.accelerator is not None and self.model is not None
+        self.accelerator.setup(trainer)
+        ps = self._state()
+        module = self.lightning_module
+        if not getattr(module, "_megastrategy_sharded", False):
+            _broadcast_module_states(module, src=0)  # every rank starts from rank 0's weights
+            self._resolve_plan()
+            if self.resolved_plan is None:
+                self.resolved_plan = resolve_tp_plan(module, self.tp_plan, self.tp)
+            self.rng_tracker = ModelParallelRNGTracker(tp_rank=ps.tp_rank, device=self.root_device)
+            self.rng_tracker.seed(torch.initial_seed())
+            if self.tp > 1:
+                apply_tp_plan(module, self.resolved_plan, group=ps.tp_group, rng_tracker=self.rng_tracker)
+            module._megastrategy_sharded = True
+            _set_metric_process_group(module, ps.dp_group)
+        self.precision_plugin.convert_module(self.model)
+        self.model_to_device()
+        if trainer.state.fn == TrainerFn.FITTING:
+            if self.grad_buffer is not None:
+                self.grad_buffer.remove()
+            self.grad_buffer = GradientBuffer(
+                module.parameters(),
+                group=ps.dp_group,
+                grad_reduce_in_fp32=self.grad_reduce_in_fp32,
+                bucket_numel=self.bucket_numel,
+            )
+            self.setup_optimizers(trainer)
+        self.setup_precision_plugin()
+        # Clipping must see the whole model, not this rank's shards.
+        self.precision_plugin.clip_grad_by_norm = self._clip_grad_by_norm
+        if trainer.state.fn == TrainerFn.FITTING:
+            from lightning.pytorch.core.optimizer import _optimizers_to_device
+
+            _optimizers_to_device(self.optimizers, self.root_device)
+
+    def configure_ddp(self) -> None:
+        """No DistributedDataParallel wrapper: the gradient buffer does data parallelism."""
+
+    # ------------------------------------------------------------------ data
+    @property
+    def _should_broadcast_batch(self) -> bool:
+        return self._broadcast_batch if self._broadcast_batch is not None else self.tp > 1
+
+    def batch_to_device(self, batch: Any, device: Optional[torch.device] = None, dataloader_idx: int = 0) -> Any:
+        batch = super().batch_to_device(batch, device, dataloader_idx)
+        if self._should_broadcast_batch and self.parallel_state is not None:
+            ps = self.parallel_state
+            batch = broadcast_batch(batch, src=ps.tp_ranks[0], group=ps.tp_group, device=device or self.root_device)
+        return batch
+
+    # ------------------------------------------------------------------ optimization
+    def optimizer_step(self, optimizer, closure: Callable[[], Any], model=None, **kwargs: Any) -> Any:
+        buffer = self.grad_buffer
+
+        def closure_then_reduce() -> Any:
+            result = closure()
+            if buffer is not None and buffer.has_grads:
+                buffer.reduce()  # once per optimizer step, after every microbatch/accumulation
+                buffer.expose_grads()
+            return result
+
+        try:
+            return super().optimizer_step(optimizer, closure_then_reduce, model, **kwargs)
+        finally:
+            if buffer is not None:
+                buffer.zero()
+
+    def _clip_grad_by_norm(self, optimizer, clip_val: Union[int, float]) -> None:
+        ps = self._state()
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        tp_rank = ps.tp_rank
+
+        def counts_here(p: nn.Parameter) -> bool:
+            # Sharded parameters count on every TP rank; replicated ones on one of them.
+            return get_shard_spec(p) is not None or tp_rank == 0
+
+        clip_grad_norm_(params, float(clip_val), counts_here=counts_here, group=ps.mp_group)
+
+    # ------------------------------------------------------------------ collectives for Lightning
+    def reduce(self, tensor, group: Optional[Any] = None, reduce_op: Optional[Union[str, Any]] = "mean"):
+        """Reduce over data-parallel replicas (TP ranks of a replica hold the same value)."""
+        if not isinstance(tensor, torch.Tensor) or self.parallel_state is None or not dist.is_initialized():
+            return tensor
+        if group is None:
+            group = self.parallel_state.dp_group
+        op = str(reduce_op).lower() if reduce_op is not None else "mean"
+        tensor = tensor.clone()
+        if op in ("mean", "avg", "reduceop.avg"):
+            dist.all_reduce(tensor, group=group)
+            tensor = tensor / dist.get_world_size(group)
+        elif op in ("sum", "reduceop.sum"):
+            dist.all_reduce(tensor, group=group)
+        elif op in ("max", "reduceop.max"):
+            dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=group)
+        elif op in ("min", "reduceop.min"):
+            dist.all_reduce(tensor, op=dist.ReduceOp.MIN, group=group)
+        else:
+            raise ValueError(f"reduce_op={reduce_op!r}: use 'mean', 'sum', 'max' or 'min'.")
+        return tensor
+
+    # ------------------------------------------------------------------ checkpoints
+    def _layout_record(self) -> dict[str, Any]:
+        lay = self.layout
+        return {"world_size": lay.world_size, "tp": lay.tp, "pp": lay.pp, "dp": lay.dp, "cp": lay.cp, "ep": lay.ep, "order": lay.order}
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath, storage_options: Optional[Any] = None) -> None:
+        """Every rank writes its own shards into the directory ``filepath``."""
+        if storage_options is not None:
+            raise TypeError("MegatronStrategy.save_checkpoint: storage_options are not supported.")
+        ps = self._state()
+        checkpoint = dict(checkpoint)
+        checkpoint["megastrategy"] = {
+            "rank": self.global_rank,
+            "coords": ps.coords,
+            "shards": _shard_table(self.lightning_module),
+        }
+        checkpoint_io.save_rank_shard(checkpoint, filepath, self.global_rank)
+        self.barrier("megastrategy.save_checkpoint")
+        if self.is_global_zero:
+            checkpoint_io.write_meta(filepath, {"layout": self._layout_record(), "format": "megastrategy-per-rank-v1"})
+        self.barrier("megastrategy.save_checkpoint.meta")
+
+    def load_checkpoint(self, checkpoint_path, weights_only: Optional[bool] = None) -> dict[str, Any]:
+        return checkpoint_io.load_rank_shard(checkpoint_path, self.global_rank, expected_layout=self._layout_record())
+
+    def remove_checkpoint(self, filepath) -> None:
+        if self.is_global_zero:
+            checkpoint_io.remove(filepath)
+
+    # ------------------------------------------------------------------ teardown
+    def teardown(self) -> None:
+        if self.grad_buffer is not None:
+            self.grad_buffer.remove()
+            self.grad_buffer = None
+        super().teardown()
+
+
+def _broadcast_module_states(module: nn.Module, src: int) -> None:
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return
+    with torch.no_grad():
+        for t in list(module.parameters()) + list(module.buffers()):
+            dist.broadcast(t.data, src=src)
+
+
+def _set_metric_process_group(module: nn.Module, group) -> None:
+    """torchmetrics sync over the world would count each example once per TP rank; use DP only."""
+    try:
+        from torchmetrics import Metric
+    except ImportError:  # pragma: no cover - torchmetrics is a dependency
+        return
+    for m in module.modules():
+        if isinstance(m, Metric):
+            m.process_group = group
+
+
+def _shard_table(module: nn.Module) -> dict[str, Any]:
+    table = {}
+    for name, p in module.named_parameters():
+        spec = get_shard_spec(p)
+        if spec is not None:
+            table[name] = {
+                "dim": spec.dim,
+                "full_size": spec.full_size,
+                "padded_size": spec.padded_size,
+                "packed_chunks": spec.packed_chunks,
+            }
+    return table

@@ -1,0 +1,78 @@
+"""Launch a Lightning training script on N real CPU processes, torchrun-style, with a hard timeout.
+
+Each process gets MASTER_ADDR/MASTER_PORT/WORLD_SIZE/RANK/LOCAL_RANK, which Lightning reads as
+an externally launched job (the same path as ``torchrun`` or SLURM). If one process fails, the
+others are killed at once; if the whole job exceeds ``timeout`` it is killed and the test fails.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Optional
+
+from tests.helpers.dist import free_port
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def run_script(script: str | Path, nprocs: int, args: list[str], timeout: float = 300, env: Optional[dict] = None) -> dict[str, Any]:
+    """Run ``python script --out OUT args...`` on ``nprocs`` processes; return the JSON rank 0 wrote to OUT."""
+    out = Path(tempfile.mkdtemp(prefix="megastrategy-run-")) / "result.json"
+    port = free_port()
+    base_env = dict(os.environ)
+    base_env.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        WORLD_SIZE=str(nprocs),
+        NODE_RANK="0",
+        OMP_NUM_THREADS="1",
+        PYTHONPATH=os.pathsep.join([str(REPO), str(REPO / "src"), base_env.get("PYTHONPATH", "")]),
+        PYTHONUNBUFFERED="1",
+        TOKENIZERS_PARALLELISM="false",
+    )
+    base_env.update(env or {})
+    procs, logs = [], []
+    for rank in range(nprocs):
+        penv = dict(base_env, RANK=str(rank), LOCAL_RANK=str(rank))
+        log = tempfile.TemporaryFile(mode="w+")
+        logs.append(log)
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, str(script), "--out", str(out), *args],
+                env=penv, stdout=log, stderr=subprocess.STDOUT, cwd=str(REPO),
+            )
+        )
+    deadline = time.monotonic() + timeout
+    failed = None
+    try:
+        while True:
+            codes = [p.poll() for p in procs]
+            bad = [r for r, c in enumerate(codes) if c not in (None, 0)]
+            if bad:
+                failed = f"rank {bad[0]} exited with code {codes[bad[0]]}"
+                break
+            if all(c == 0 for c in codes):
+                break
+            if time.monotonic() > deadline:
+                failed = f"timed out after {timeout}s (still running: {[r for r, c in enumerate(codes) if c is None]})"
+                break
+            time.sleep(0.2)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+        for p in procs:
+            p.wait()
+    if failed:
+        tails = []
+        for rank, log in enumerate(logs):
+            log.seek(0)
+            text = log.read()
+            tails.append(f"----- rank {rank} (last 3000 chars) -----\n{text[-3000:]}")
+        raise AssertionError(f"{script} {' '.join(args)} on {nprocs} processes: {failed}\n" + "\n".join(tails))
+    return json.loads(out.read_text())

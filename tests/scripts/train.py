@@ -1,0 +1,81 @@
+"""One training run of a test model, launched on N processes by tests/helpers/launch.py.
+
+Rank 0 writes what it saw to ``--out``: per-step train_loss and per-validation val_loss.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import lightning as L  # noqa: E402
+import torch  # noqa: E402
+from lightning.pytorch.callbacks import Callback  # noqa: E402
+from lightning.pytorch.strategies import DDPStrategy  # noqa: E402
+
+from tests.helpers.models import MODELS  # noqa: E402
+
+
+class Recorder(Callback):
+    def __init__(self):
+        self.train_loss, self.val_loss = [], []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.train_loss.append(float(outputs["loss"]))
+
+    def on_validation_epoch_end(self, trainer, pl_module):
+        if "val_loss" in trainer.callback_metrics and not trainer.sanity_checking:
+            self.val_loss.append(float(trainer.callback_metrics["val_loss"]))
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", required=True)
+    p.add_argument("--model", choices=sorted(MODELS), required=True)
+    p.add_argument("--strategy", choices=["ddp", "megatron"], required=True)
+    p.add_argument("--tp", type=int, default=1)
+    p.add_argument("--steps", type=int, default=6)
+    p.add_argument("--user-plan", action="store_true", help="pass the model's TP_PLAN as tp_plan")
+    p.add_argument("--clip", type=float, default=None)
+    p.add_argument("--accumulate", type=int, default=1)
+    args = p.parse_args()
+
+    torch.set_num_threads(1)
+    L.seed_everything(7, verbose=False)
+    module = MODELS[args.model]()
+    if args.strategy == "ddp":
+        strategy = DDPStrategy()
+    else:
+        from megastrategy import MegatronStrategy
+
+        plan = getattr(module, "TP_PLAN", None) if args.user_plan else None
+        strategy = MegatronStrategy(tp=args.tp, tp_plan=plan)
+    rec = Recorder()
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=int(os.environ["WORLD_SIZE"]),
+        strategy=strategy,
+        max_steps=args.steps,
+        val_check_interval=args.steps,
+        num_sanity_val_steps=0,
+        limit_val_batches=2,
+        callbacks=[rec],
+        enable_checkpointing=False,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        gradient_clip_val=args.clip,
+        accumulate_grad_batches=args.accumulate,
+    )
+    trainer.fit(module)
+    if trainer.is_global_zero:
+        Path(args.out).write_text(json.dumps({"train_loss": rec.train_loss, "val_loss": rec.val_loss}))
+
+
+if __name__ == "__main__":
+    main()

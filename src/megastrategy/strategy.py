@@ -31,16 +31,15 @@ from megastrategy.layers.plan import ResolvedPlan, apply_tp_plan, resolve_tp_pla
 from megastrategy.layers.random import ModelParallelRNGTracker
 from megastrategy.layers.shard_spec import get_shard_spec
 from megastrategy.parallel_state import DEFAULT_ORDER, ParallelLayout, ParallelState
+from megastrategy.pipeline.layer_assignment import assign_layers
+from megastrategy.pipeline.schedules import validate_schedule
+from megastrategy.pipeline.stage import PipelineStage, cut_stage, find_layer_stack
 
 log = logging.getLogger(__name__)
 
 _NOT_YET = {
-    "pp": "pipeline parallelism (pp > 1)",
-    "vp": "the interleaved pipeline schedule (vp)",
     "cp": "context parallelism (cp > 1)",
     "ep": "expert parallelism (ep > 1)",
-    "pipeline_layers": "pipeline stage cutting (pipeline_layers)",
-    "num_microbatches": "pipeline microbatching (num_microbatches)",
 }
 
 
@@ -85,20 +84,14 @@ class MegatronStrategy(DDPStrategy):
         for name, value in (("tp", tp), ("pp", pp), ("cp", cp), ("ep", ep)):
             if not isinstance(value, int) or value < 1:
                 raise MegatronConfigError(f"MegatronStrategy({name}={value!r}): must be a positive integer.")
-        requested = {
-            "pp": pp > 1,
-            "vp": vp is not None,
-            "cp": cp > 1,
-            "ep": ep > 1,
-            "pipeline_layers": pipeline_layers is not None,
-            "num_microbatches": num_microbatches is not None,
-        }
-        for name, asked in requested.items():
+        for name, asked in (("cp", cp > 1), ("ep", ep > 1)):
             if asked:
                 raise NotImplementedError(
                     f"MegatronStrategy({name}=...): {_NOT_YET[name]} is not available in this version; "
-                    "tensor parallelism (tp) with data parallelism is."
+                    "tensor, pipeline and data parallelism are."
                 )
+        if num_microbatches is not None and (not isinstance(num_microbatches, int) or num_microbatches < 1):
+            raise MegatronConfigError(f"num_microbatches={num_microbatches!r} must be a positive integer or None (= pp).")
         if tp_plan is not None and not isinstance(tp_plan, Mapping):
             raise MegatronConfigError(
                 f"tp_plan={tp_plan!r}: expected a dict from module-name globs to "
@@ -108,6 +101,10 @@ class MegatronStrategy(DDPStrategy):
         self.etp = etp if etp is not None else tp
         self.order = order
         self.tp_plan = dict(tp_plan) if tp_plan is not None else None
+        self.pipeline_layers = pipeline_layers
+        self.num_microbatches = num_microbatches if num_microbatches is not None else pp
+        self.pipeline: Optional[PipelinedStep] = None
+        self.stage: Optional[PipelineStage] = None
         self._broadcast_batch = broadcast_batch
         self.grad_reduce_in_fp32 = grad_reduce_in_fp32
         self.bucket_numel = bucket_numel
@@ -137,6 +134,17 @@ class MegatronStrategy(DDPStrategy):
         if not any(True for _ in module.parameters()):
             return  # built in configure_model(); resolved in setup()
         self.resolved_plan = resolve_tp_plan(module, self.tp_plan, self.tp)
+        self._check_pipeline(module)
+
+    def _check_pipeline(self, module: nn.Module) -> None:
+        """Pipeline errors (stack, layer counts, schedule) before any collective."""
+        if self.pp == 1:
+            return
+        vp = self.vp or 1
+        _, stack = find_layer_stack(module, self.pipeline_layers)
+        assign_layers(len(stack), self.pp, vp)
+        if vp > 1:
+            validate_schedule(self.num_microbatches, self.pp, vp)
 
     def setup_environment(self) -> None:
         self.layout = self._validate_layout()
@@ -173,6 +181,8 @@ class MegatronStrategy(DDPStrategy):
             self.rng_tracker.seed(torch.initial_seed())
             if self.tp > 1:
                 apply_tp_plan(module, self.resolved_plan, group=ps.tp_group, rng_tracker=self.rng_tracker)
+            if self.pp > 1:
+                self._cut_pipeline_stage(module)
             module._megastrategy_sharded = True
             _set_metric_process_group(module, ps.dp_group)
         self.precision_plugin.convert_module(self.model)
@@ -191,9 +201,88 @@ class MegatronStrategy(DDPStrategy):
         # Clipping must see the whole model, not this rank's shards.
         self.precision_plugin.clip_grad_by_norm = self._clip_grad_by_norm
         if trainer.state.fn == TrainerFn.FITTING:
-            from lightning.pytorch.core.optimizer import _optimizers_to_device
+            from lightning.fabric.utilities.optimizer import _optimizers_to_device
 
             _optimizers_to_device(self.optimizers, self.root_device)
+
+    def _cut_pipeline_stage(self, module: nn.Module) -> None:
+        from megastrategy.pipeline.executor import PipelineExecutor
+        from megastrategy.pipeline.lightning_step import PipelinedStep
+        from megastrategy.pipeline.p2p import PipelineCommunicator
+
+        ps = self._state()
+        vp = self.vp or 1
+        self._check_pipeline(module)
+        path, stack = find_layer_stack(module, self.pipeline_layers)
+        self.stage = cut_stage(
+            module,
+            stack_path=path,
+            stack=stack,
+            assignment=assign_layers(len(stack), self.pp, vp),
+            pp_rank=ps.pp_rank,
+            pp_size=self.pp,
+            vp_size=vp,
+        )
+        comm = PipelineCommunicator(
+            pp_group=ps.pp_group, pp_ranks=ps.pp_ranks, pp_rank=ps.pp_rank, device=self.root_device, tp_group=ps.tp_group
+        )
+        self.pipeline = PipelinedStep(
+            stage=self.stage,
+            executor=PipelineExecutor(comm, pp_size=self.pp, pp_rank=ps.pp_rank, vp_size=vp),
+            pp_group=ps.pp_group,
+            last_stage_rank=ps.pp_ranks[-1],
+            pp_size=self.pp,
+            pp_rank=ps.pp_rank,
+            vp_size=vp,
+            num_microbatches=self.num_microbatches,
+        )
+
+    # ------------------------------------------------------------------ steps
+    def _pipelined(self, step_name: str, args: tuple, kwargs: dict) -> Any:
+        assert self.pipeline is not None and self.lightning_module is not None
+        if kwargs:
+            raise MegatronConfigError(f"{step_name} received keyword arguments {sorted(kwargs)}; pipelining passes (batch, batch_idx).")
+        batch, rest = args[0], tuple(args[1:])
+        scale = 1.0
+        if step_name == "training_step":
+            scale = 1.0 / self.lightning_module.trainer.accumulate_grad_batches
+        result = self.pipeline.run(self.lightning_module, step_name, batch, rest, loss_scale=scale)
+        if isinstance(result, torch.Tensor):
+            result = result.to(self.root_device)
+        return result
+
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        if self.pipeline is None:
+            return super().training_step(*args, **kwargs)
+        args, kwargs = self.precision_plugin.convert_input((args, kwargs))
+        with self.precision_plugin.train_step_context():
+            return self._pipelined("training_step", args, kwargs)
+
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        if self.pipeline is None:
+            return super().validation_step(*args, **kwargs)
+        args, kwargs = self.precision_plugin.convert_input((args, kwargs))
+        with self.precision_plugin.val_step_context():
+            return self._pipelined("validation_step", args, kwargs)
+
+    def test_step(self, *args: Any, **kwargs: Any) -> Any:
+        if self.pipeline is None:
+            return super().test_step(*args, **kwargs)
+        args, kwargs = self.precision_plugin.convert_input((args, kwargs))
+        with self.precision_plugin.test_step_context():
+            return self._pipelined("test_step", args, kwargs)
+
+    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        if self.pipeline is None:
+            return super().predict_step(*args, **kwargs)
+        args, kwargs = self.precision_plugin.convert_input((args, kwargs))
+        with self.precision_plugin.predict_step_context():
+            return self._pipelined("predict_step", args, kwargs)
+
+    def backward(self, closure_loss: torch.Tensor, optimizer, *args: Any, **kwargs: Any) -> torch.Tensor:
+        if self.pipeline is not None:
+            return closure_loss  # the schedule already ran every microbatch's backward
+        return super().backward(closure_loss, optimizer, *args, **kwargs)
 
     def configure_ddp(self) -> None:
         """No DistributedDataParallel wrapper: the gradient buffer does data parallelism."""
@@ -217,6 +306,7 @@ class MegatronStrategy(DDPStrategy):
         def closure_then_reduce() -> Any:
             result = closure()
             if buffer is not None and buffer.has_grads:
+                self._sync_tied_embedding_grads()
                 buffer.reduce()  # once per optimizer step, after every microbatch/accumulation
                 buffer.expose_grads()
             return result
@@ -227,13 +317,25 @@ class MegatronStrategy(DDPStrategy):
             if buffer is not None:
                 buffer.zero()
 
+    def _sync_tied_embedding_grads(self) -> None:
+        """Keep the first and last stages' copies of a tied embedding identical: sum their gradients."""
+        ps = self._state()
+        if self.stage is None or not self.stage.tied_parameters or ps.embedding_group is None:
+            return
+        for p in self.stage.tied_parameters:
+            dist.all_reduce(p.main_grad, group=ps.embedding_group)
+
     def _clip_grad_by_norm(self, optimizer, clip_val: Union[int, float]) -> None:
         ps = self._state()
         params = [p for group in optimizer.param_groups for p in group["params"]]
         tp_rank = ps.tp_rank
+        # The last stage's copy of a tied embedding duplicates the first stage's.
+        duplicate = {id(p) for p in self.stage.tied_parameters} if (self.stage and not ps.is_first_stage) else set()
 
         def counts_here(p: nn.Parameter) -> bool:
             # Sharded parameters count on every TP rank; replicated ones on one of them.
+            if id(p) in duplicate:
+                return False
             return get_shard_spec(p) is not None or tp_rank == 0
 
         clip_grad_norm_(params, float(clip_val), counts_here=counts_here, group=ps.mp_group)

@@ -62,12 +62,12 @@ class BaseModule(L.LightningModule):
 class BertClassifier(BaseModule):
     """A Hugging Face BertForSequenceClassification, used as-is."""
 
-    def __init__(self, **kw):
+    def __init__(self, n_layer: int = 2, **kw):
         super().__init__(**kw)
         from transformers import BertConfig, BertForSequenceClassification
 
         cfg = BertConfig(
-            vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
+            vocab_size=VOCAB, hidden_size=32, num_hidden_layers=n_layer, num_attention_heads=4, intermediate_size=64,
             max_position_embeddings=SEQ, num_labels=3, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
         )
         self.model = BertForSequenceClassification(cfg)

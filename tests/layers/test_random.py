@@ -306,3 +306,47 @@ def test_checkpoint_without_tracker_and_inside_fork():
     with pytest.raises(RuntimeError, match="inside rng_tracker.fork"):
         with t.fork():
             checkpoint(lin, x, rng_tracker=t)
+
+
+# ------------------------------------------------------------------------------------ CUDA
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_streams_and_checkpoint():
+    dev = torch.device("cuda", 0)
+    t = ModelParallelRNGTracker(tp_rank=1, device=dev)
+    t.seed(3)
+    torch.cuda.manual_seed(0)
+    ref = torch.rand(8, device=dev)
+    torch.cuda.manual_seed(0)
+    cpu_before = torch.get_rng_state()
+    with t.fork():
+        a = torch.rand(8, device=dev)
+    assert torch.equal(torch.get_rng_state(), cpu_before)  # only the device's generator swaps
+    assert torch.equal(torch.rand(8, device=dev), ref)
+    g = torch.Generator(device=dev).manual_seed(3 + 2718 + 1)
+    assert torch.equal(a, torch.rand(8, device=dev, generator=g))
+
+    drop = TensorParallelRegionDropout(p=0.3, rng_tracker=t)
+    lin = nn.Linear(32, 32, device=dev)
+
+    def fn(x):
+        h = drop(lin(F.dropout(x, 0.2)))
+        q = h.view(2, 2, 8, 16)
+        with t.fork():
+            h = F.scaled_dot_product_attention(q, q, q, dropout_p=0.3).reshape(4, 32)
+        return F.dropout(h, 0.2)
+
+    results = []
+    for use_ckpt in (False, True):
+        lin.zero_grad()
+        torch.manual_seed(1)
+        t.seed(1)
+        x = torch.randn(4, 32, device=dev, requires_grad=True)
+        out = checkpoint(fn, x, rng_tracker=t) if use_ckpt else fn(x)
+        torch.rand(5, device=dev)
+        with t.fork():
+            torch.rand(5, device=dev)
+        out.square().sum().backward()
+        results.append((out, x.grad, lin.weight.grad.clone(), t.get_state()["model_parallel_rng_state"]))
+    for a, b in zip(*results):
+        assert torch.equal(a, b)

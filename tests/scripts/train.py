@@ -39,6 +39,9 @@ def main() -> None:
     p.add_argument("--model", choices=sorted(MODELS), required=True)
     p.add_argument("--strategy", choices=["ddp", "megatron"], required=True)
     p.add_argument("--tp", type=int, default=1)
+    p.add_argument("--pp", type=int, default=1)
+    p.add_argument("--vp", type=int, default=None)
+    p.add_argument("--layers", type=int, default=2)
     p.add_argument("--steps", type=int, default=6)
     p.add_argument("--user-plan", action="store_true", help="pass the model's TP_PLAN as tp_plan")
     p.add_argument("--clip", type=float, default=None)
@@ -47,14 +50,14 @@ def main() -> None:
 
     torch.set_num_threads(1)
     L.seed_everything(7, verbose=False)
-    module = MODELS[args.model]()
+    module = MODELS[args.model](n_layer=args.layers)
     if args.strategy == "ddp":
         strategy = DDPStrategy()
     else:
         from megastrategy import MegatronStrategy
 
         plan = getattr(module, "TP_PLAN", None) if args.user_plan else None
-        strategy = MegatronStrategy(tp=args.tp, tp_plan=plan)
+        strategy = MegatronStrategy(tp=args.tp, pp=args.pp, vp=args.vp, tp_plan=plan)
     rec = Recorder()
     trainer = L.Trainer(
         accelerator="cpu",

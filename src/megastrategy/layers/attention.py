@@ -15,16 +15,25 @@ call the full-size native kernels with this rank's shards, are declined (see
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import warnings
 from typing import Any, Callable
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from megastrategy.errors import MegatronConfigError
+from megastrategy.layers.linear import ColumnParallelLinear, RowParallelLinear
+from megastrategy.layers.mappings import (
+    ProcessGroupRef,
+    copy_to_tensor_parallel_region,
+    gather_from_tensor_parallel_region,
+    group_rank,
+    group_world_size,
+    reduce_from_tensor_parallel_region,
+)
 from megastrategy.layers.random import ModelParallelRNGTracker
 
 __all__ = ["TensorParallelMultiheadAttention"]
@@ -93,9 +102,7 @@ class TensorParallelMultiheadAttention(nn.Module):
         dtype: torch.dtype | None = None,
     ) -> None:
         super().__init__()
-        from megastrategy.layers.linear import ColumnParallelLinear, RowParallelLinear
-
-        tp_size = dist.get_world_size(group)
+        tp_size = group_world_size(group)
         _check_config(embed_dim=embed_dim, num_heads=num_heads, tp_size=tp_size)
         in_proj = ColumnParallelLinear(
             embed_dim,
@@ -136,10 +143,10 @@ class TensorParallelMultiheadAttention(nn.Module):
         in_proj: nn.Module,
         out_proj: nn.Module,
     ) -> None:
-        tp_size = dist.get_world_size(group)
-        self.group = group
+        tp_size = group_world_size(group)
+        self._group_ref = ProcessGroupRef(group)  # deepcopy keeps the same group
         self.tp_size = tp_size
-        self.tp_rank = dist.get_rank(group)
+        self.tp_rank = group_rank(group)
         self.embed_dim = embed_dim
         self.kdim = embed_dim
         self.vdim = embed_dim
@@ -178,15 +185,13 @@ class TensorParallelMultiheadAttention(nn.Module):
         ``input_copy``: a ``SharedInputCopy`` to share the input-gradient all-reduce with
         other column-parallel consumers of the same input.
         """
-        from megastrategy.layers.linear import ColumnParallelLinear, RowParallelLinear
-
         if not isinstance(mha, nn.MultiheadAttention):
             raise TypeError(
                 f"TensorParallelMultiheadAttention.from_module expects an nn.MultiheadAttention, got {type(mha).__name__}"
             )
         if isinstance(mha, TensorParallelMultiheadAttention):  # pragma: no cover - not an MHA subclass
             return mha
-        tp_size = dist.get_world_size(group)
+        tp_size = group_world_size(group)
         _check_config(
             embed_dim=mha.embed_dim,
             num_heads=mha.num_heads,
@@ -236,6 +241,11 @@ class TensorParallelMultiheadAttention(nn.Module):
 
     # ----------------------------------------------------------------------- attributes
     @property
+    def group(self) -> Any:
+        """The tensor-parallel process group."""
+        return self._group_ref.group
+
+    @property
     def in_proj_weight(self) -> Tensor:
         """This rank's packed ``[q_r|k_r|v_r]`` weight ``[3h/tp, h]``, as a guard-typed view.
 
@@ -256,8 +266,6 @@ class TensorParallelMultiheadAttention(nn.Module):
         """Identity forward / all-reduce backward, one per distinct input tensor."""
         if self.input_copy is not None:
             return self.input_copy
-        from megastrategy.layers.mappings import copy_to_tensor_parallel_region
-
         seen: dict[int, tuple[Tensor, Tensor]] = {}
 
         def copy(x: Tensor) -> Tensor:
@@ -278,7 +286,7 @@ class TensorParallelMultiheadAttention(nn.Module):
                 raise RuntimeError("TensorParallelMultiheadAttention needs in_proj with skip_bias_add=False")
             return qkv.chunk(3, dim=-1)
         weight = self.in_proj.weight
-        bias = getattr(self.in_proj, "bias", None)
+        bias = self.in_proj.bias
         w_q, w_k, w_v = weight.chunk(3, dim=0)
         b_q, b_k, b_v = bias.chunk(3) if bias is not None else (None, None, None)
         copy = self._input_copier()
@@ -302,8 +310,6 @@ class TensorParallelMultiheadAttention(nn.Module):
     def _dropout_context(self):
         if self.rng_tracker is not None:
             return self.rng_tracker.fork()
-        import contextlib
-
         return contextlib.nullcontext()
 
     def forward(
@@ -385,6 +391,8 @@ class TensorParallelMultiheadAttention(nn.Module):
         if key_padding_mask is not None:
             kpm = key_padding_mask.view(bsz, 1, 1, src_len)
             mask = kpm if mask is None else mask + kpm
+        if mask is not None and mask.dtype != q.dtype:  # e.g. q in bf16 under autocast
+            mask = mask.to(q.dtype)
 
         dropout_p = self.dropout if self.training else 0.0
         weights = None
@@ -420,11 +428,6 @@ class TensorParallelMultiheadAttention(nn.Module):
 
     def _gather_weights(self, probs: Tensor, average: bool) -> Tensor:
         """Local per-head probabilities ``[N, H/tp, L, S]`` -> complete weights (differentiable)."""
-        from megastrategy.layers.mappings import (
-            gather_from_tensor_parallel_region,
-            reduce_from_tensor_parallel_region,
-        )
-
         if average:
             partial = probs.sum(dim=1)
             if self.tp_size > 1:

@@ -1,0 +1,353 @@
+"""Built-in tensor-parallel plans: which layers of a known architecture are sharded, and how.
+
+Detection walks ``module.named_modules()`` and recognizes building blocks **by class**,
+wherever they sit in the user's module (a LightningModule holding a Hugging Face model,
+a model inside a wrapper, ...). Every recognized block becomes a :class:`BuiltinUnit`: the
+layers that must be sharded *together* for the block's unchanged ``forward`` to stay
+correct (a column-parallel projection and the row-parallel layer that consumes its output),
+the attributes of the block that count local heads and must be divided by ``tp``, the
+sizes that ``tp`` must divide, and where attention dropout runs on TP-sharded heads.
+
+Known blocks (``transformers`` 5.x, ``torch.nn``):
+
+===================================  ==========================================================
+Hugging Face BERT                    ``BertAttention``: ``self.query/key/value`` column,
+                                     ``output.dense`` row; fix-ups ``num_attention_heads``,
+                                     ``all_head_size`` on ``BertSelfAttention`` (and
+                                     ``BertCrossAttention``); its forward runs on the
+                                     per-TP-rank RNG stream (attention dropout is applied
+                                     inside the attention function with ``self.dropout.p``).
+                                     ``BertLayer``: ``intermediate.dense`` column,
+                                     ``output.dense`` row. ``BertEmbeddings.word_embeddings``
+                                     vocab, ``BertLMPredictionHead.decoder`` vocab (tied).
+Hugging Face GPT-2                   ``GPT2Attention``: ``c_attn`` column over a packed
+                                     ``[q|k|v]`` (``packed_chunks=3``; cross-attention:
+                                     ``q_attn`` column and ``c_attn`` packed ``[k|v]``),
+                                     ``c_proj`` row; fix-ups ``num_heads``, ``split_size``
+                                     (the forward splits ``c_attn``'s output by
+                                     ``split_size``; ``embed_dim`` is not read by the forward
+                                     and is left alone); per-TP-rank RNG from the start of
+                                     the forward until ``c_proj`` (``resid_dropout`` acts on
+                                     the replicated output and stays on the default stream).
+                                     ``GPT2MLP``: ``c_fc`` column, ``c_proj`` row.
+                                     ``GPT2Model.wte`` vocab; ``lm_head`` vocab (tied).
+Hugging Face Llama family            ``{Llama,Mistral,Qwen2,Qwen3}Attention``: ``q/k/v_proj``
+                                     column, ``o_proj`` row (no head-count attribute exists
+                                     in the 5.x code: heads come from ``view(..., -1,
+                                     head_dim)``; ``num_heads``/``num_key_value_heads`` are
+                                     divided if an older version defines them). ``...MLP``:
+                                     ``gate_proj``/``up_proj`` column, ``down_proj`` row.
+                                     ``...Model.embed_tokens`` vocab, ``...ForCausalLM.lm_head``
+                                     vocab (tied or not).
+``torch.nn``                         any ``nn.MultiheadAttention`` -> ``attention`` (replaced by
+                                     ``TensorParallelMultiheadAttention.from_module``);
+                                     ``TransformerEncoderLayer``/``TransformerDecoderLayer``:
+                                     ``linear1`` column, ``dropout`` (between the two FFN
+                                     layers, on sharded activations) -> ``dropout``
+                                     (``TensorParallelRegionDropout``), ``linear2`` row.
+===================================  ==========================================================
+
+Other ``nn.Linear``/``Conv1D`` layers of a recognized Hugging Face model (poolers,
+classifiers, the MLM transform) are small and stay replicated.
+
+This module is pure: it reads modules and never changes them.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Iterable
+
+from torch import nn
+
+__all__ = [
+    "SizeCheck",
+    "BuiltinUnit",
+    "BuiltinDetection",
+    "detect_builtin_plan",
+    "is_conv1d",
+    "is_hf_pretrained",
+    "KNOWN_ARCHITECTURES",
+]
+
+#: human-readable list used in error messages
+KNOWN_ARCHITECTURES = (
+    "Hugging Face BERT (Bert*)",
+    "GPT-2 (GPT2*)",
+    "Llama/Mistral/Qwen2/Qwen3",
+    "torch.nn.TransformerEncoderLayer/TransformerDecoderLayer",
+    "torch.nn.MultiheadAttention",
+)
+
+_LLAMA_FAMILY = ("Llama", "Mistral", "Qwen2", "Qwen3")
+
+
+@dataclass(frozen=True)
+class SizeCheck:
+    """``value`` (read from ``owner``'s ``attr``) must be divisible by ``tp``."""
+
+    owner: str
+    attr: str
+    value: int
+    what: str
+
+
+@dataclass
+class BuiltinUnit:
+    """Layers of one recognized block that are sharded together, and what goes with them.
+
+    ``members``: ``(module name, style, extra)``; ``style`` is one of ``column``, ``row``,
+    ``vocab``, ``attention`` (``nn.MultiheadAttention`` replaced as a whole) or ``dropout``
+    (an ``nn.Dropout`` acting on sharded activations). ``divide_attrs``: integer attributes
+    of ``owner`` that count local heads/sizes and are divided by ``tp`` (only those that
+    exist are used). ``rng_region``: ``(until, dropout_p_path)`` -- ``owner``'s forward runs
+    on the per-TP-rank RNG stream (from its start until the forward pre-hook of module
+    ``until``, or to its end when ``until`` is ``None``) while training with a dropout
+    probability (read at ``dropout_p_path`` on ``owner``) above zero.
+    """
+
+    arch: str
+    kind: str
+    owner: str
+    members: list[tuple[str, str, dict[str, Any]]]
+    divide_attrs: tuple[str, ...] = ()
+    checks: list[SizeCheck] = field(default_factory=list)
+    rng_region: tuple[str | None, str] | None = None
+
+
+@dataclass
+class BuiltinDetection:
+    units: list[BuiltinUnit]
+    #: names of Hugging Face ``PreTrainedModel`` instances of a known architecture
+    recognized_roots: dict[str, str]
+
+    @property
+    def architectures(self) -> list[str]:
+        seen: list[str] = []
+        for unit in self.units:
+            if unit.arch not in seen:
+                seen.append(unit.arch)
+        return seen
+
+    def member_index(self) -> dict[str, tuple[BuiltinUnit, str, dict[str, Any]]]:
+        index: dict[str, tuple[BuiltinUnit, str, dict[str, Any]]] = {}
+        for unit in self.units:
+            for name, style, extra in unit.members:
+                index.setdefault(name, (unit, style, extra))
+        return index
+
+
+def is_conv1d(module: nn.Module) -> bool:
+    """Hugging Face ``Conv1D`` (GPT-2): a linear layer whose weight is stored ``[in, out]``."""
+    return (
+        type(module).__name__ == "Conv1D"
+        and hasattr(module, "nf")
+        and isinstance(getattr(module, "weight", None), nn.Parameter)
+        and module.weight.dim() == 2
+    )
+
+
+def is_hf_pretrained(module: nn.Module) -> bool:
+    return any(cls.__name__ == "PreTrainedModel" for cls in type(module).__mro__)
+
+
+def _j(*parts: str) -> str:
+    return ".".join(p for p in parts if p)
+
+
+def _is_linear(m: Any) -> bool:
+    return isinstance(m, nn.Linear) or (isinstance(m, nn.Module) and is_conv1d(m))
+
+
+def _child(m: nn.Module, path: str) -> Any:
+    for part in path.split("."):
+        m = getattr(m, part, None)
+        if m is None:
+            return None
+    return m
+
+
+def _int_attr(m: nn.Module, path: str) -> int | None:
+    value = _child(m, path)
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value
+    return None
+
+
+# -- Hugging Face BERT ------------------------------------------------------------------------
+def _bert(name: str, m: nn.Module) -> Iterable[BuiltinUnit]:
+    cls = type(m).__name__
+    if cls == "BertAttention":
+        sa, so = getattr(m, "self", None), getattr(m, "output", None)
+        if (
+            sa is not None
+            and so is not None
+            and type(sa).__name__ in ("BertSelfAttention", "BertCrossAttention")
+            and all(_is_linear(getattr(sa, p, None)) for p in ("query", "key", "value"))
+            and _is_linear(getattr(so, "dense", None))
+        ):
+            owner = _j(name, "self")
+            heads = _int_attr(sa, "num_attention_heads")
+            checks = [SizeCheck(owner, "num_attention_heads", heads, "attention heads")] if heads else []
+            yield BuiltinUnit(
+                arch="bert",
+                kind="attention",
+                owner=owner,
+                members=[
+                    (_j(owner, "query"), "column", {}),
+                    (_j(owner, "key"), "column", {}),
+                    (_j(owner, "value"), "column", {}),
+                    (_j(name, "output.dense"), "row", {}),
+                ],
+                divide_attrs=("num_attention_heads", "all_head_size"),
+                checks=checks,
+                rng_region=(None, "dropout.p") if isinstance(getattr(sa, "dropout", None), nn.Dropout) else None,
+            )
+    elif cls == "BertLayer":
+        inter, out = getattr(m, "intermediate", None), getattr(m, "output", None)
+        if _is_linear(getattr(inter, "dense", None)) and _is_linear(getattr(out, "dense", None)):
+            yield BuiltinUnit(
+                arch="bert",
+                kind="mlp",
+                owner=_j(name, "intermediate"),
+                members=[(_j(name, "intermediate.dense"), "column", {}), (_j(name, "output.dense"), "row", {})],
+            )
+    elif cls == "BertEmbeddings":
+        if isinstance(getattr(m, "word_embeddings", None), nn.Embedding):
+            yield BuiltinUnit("bert", "embedding", name, [(_j(name, "word_embeddings"), "vocab", {})])
+    elif cls == "BertLMPredictionHead":
+        if _is_linear(getattr(m, "decoder", None)):
+            yield BuiltinUnit("bert", "lm_head", name, [(_j(name, "decoder"), "vocab", {})])
+
+
+# -- Hugging Face GPT-2 ----------------------------------------------------------------------
+def _gpt2(name: str, m: nn.Module) -> Iterable[BuiltinUnit]:
+    cls = type(m).__name__
+    if cls == "GPT2Attention":
+        if not (_is_linear(getattr(m, "c_attn", None)) and _is_linear(getattr(m, "c_proj", None))):
+            return
+        if getattr(m, "is_cross_attention", False):
+            if not _is_linear(getattr(m, "q_attn", None)):
+                return
+            members = [
+                (_j(name, "q_attn"), "column", {}),
+                (_j(name, "c_attn"), "column", {"packed_chunks": 2}),
+            ]
+        else:
+            members = [(_j(name, "c_attn"), "column", {"packed_chunks": 3})]
+        members.append((_j(name, "c_proj"), "row", {}))
+        heads = _int_attr(m, "num_heads")
+        yield BuiltinUnit(
+            arch="gpt2",
+            kind="attention",
+            owner=name,
+            members=members,
+            divide_attrs=("num_heads", "split_size"),
+            checks=[SizeCheck(name, "num_heads", heads, "attention heads")] if heads else [],
+            rng_region=(_j(name, "c_proj"), "attn_dropout.p")
+            if isinstance(getattr(m, "attn_dropout", None), nn.Dropout)
+            else None,
+        )
+    elif cls == "GPT2MLP":
+        if _is_linear(getattr(m, "c_fc", None)) and _is_linear(getattr(m, "c_proj", None)):
+            yield BuiltinUnit(
+                "gpt2", "mlp", name, [(_j(name, "c_fc"), "column", {}), (_j(name, "c_proj"), "row", {})]
+            )
+    elif cls == "GPT2Model":
+        if isinstance(getattr(m, "wte", None), nn.Embedding):
+            yield BuiltinUnit("gpt2", "embedding", name, [(_j(name, "wte"), "vocab", {})])
+    elif cls in ("GPT2LMHeadModel", "GPT2DoubleHeadsModel"):
+        if _is_linear(getattr(m, "lm_head", None)):
+            yield BuiltinUnit("gpt2", "lm_head", name, [(_j(name, "lm_head"), "vocab", {})])
+
+
+# -- Hugging Face Llama family ---------------------------------------------------------------
+def _llama(name: str, m: nn.Module) -> Iterable[BuiltinUnit]:
+    cls = type(m).__name__
+    prefix = next((p for p in _LLAMA_FAMILY if cls.startswith(p)), None)
+    if prefix is None:
+        return
+    suffix = cls[len(prefix):]
+    arch = prefix.lower()
+    if suffix == "Attention":
+        projs = ("q_proj", "k_proj", "v_proj", "o_proj")
+        if not all(_is_linear(getattr(m, p, None)) for p in projs):
+            return
+        config = getattr(m, "config", None)
+        checks = []
+        for attr in ("num_attention_heads", "num_key_value_heads"):
+            value = getattr(config, attr, None)
+            if isinstance(value, int) and not isinstance(value, bool):
+                checks.append(SizeCheck(name, f"config.{attr}", value, "attention heads"))
+        yield BuiltinUnit(
+            arch=arch,
+            kind="attention",
+            owner=name,
+            members=[
+                (_j(name, "q_proj"), "column", {}),
+                (_j(name, "k_proj"), "column", {}),
+                (_j(name, "v_proj"), "column", {}),
+                (_j(name, "o_proj"), "row", {}),
+            ],
+            divide_attrs=("num_heads", "num_key_value_heads"),
+            checks=checks,
+            rng_region=(None, "attention_dropout") if hasattr(m, "attention_dropout") else None,
+        )
+    elif suffix == "MLP":
+        if all(_is_linear(getattr(m, p, None)) for p in ("gate_proj", "up_proj", "down_proj")):
+            yield BuiltinUnit(
+                arch,
+                "mlp",
+                name,
+                [
+                    (_j(name, "gate_proj"), "column", {}),
+                    (_j(name, "up_proj"), "column", {}),
+                    (_j(name, "down_proj"), "row", {}),
+                ],
+            )
+    elif suffix == "Model":
+        if isinstance(getattr(m, "embed_tokens", None), nn.Embedding):
+            yield BuiltinUnit(arch, "embedding", name, [(_j(name, "embed_tokens"), "vocab", {})])
+    elif suffix == "ForCausalLM":
+        if _is_linear(getattr(m, "lm_head", None)):
+            yield BuiltinUnit(arch, "lm_head", name, [(_j(name, "lm_head"), "vocab", {})])
+
+
+# -- torch.nn --------------------------------------------------------------------------------
+def _torch(name: str, m: nn.Module) -> Iterable[BuiltinUnit]:
+    if isinstance(m, nn.MultiheadAttention):
+        yield BuiltinUnit(
+            arch="torch",
+            kind="attention",
+            owner=name,
+            members=[(name, "attention", {})],
+            checks=[SizeCheck(name, "num_heads", int(m.num_heads), "attention heads")],
+        )
+    elif isinstance(m, (nn.TransformerEncoderLayer, nn.TransformerDecoderLayer)):
+        if not (isinstance(getattr(m, "linear1", None), nn.Linear) and isinstance(getattr(m, "linear2", None), nn.Linear)):
+            return
+        members: list[tuple[str, str, dict[str, Any]]] = [(_j(name, "linear1"), "column", {})]
+        if isinstance(getattr(m, "dropout", None), nn.Dropout):
+            members.append((_j(name, "dropout"), "dropout", {}))
+        members.append((_j(name, "linear2"), "row", {}))
+        yield BuiltinUnit(arch="torch", kind="mlp", owner=name, members=members)
+
+
+_DETECTORS = (_bert, _gpt2, _llama, _torch)
+
+
+def detect_builtin_plan(module: nn.Module) -> BuiltinDetection:
+    """Recognize known blocks in ``module`` (names relative to it); pure."""
+    units: list[BuiltinUnit] = []
+    roots: dict[str, str] = {}
+    for name, m in module.named_modules():
+        for detector in _DETECTORS:
+            units.extend(detector(name, m))
+    # Hugging Face models that contain at least one recognized block
+    for name, m in module.named_modules():
+        if not is_hf_pretrained(m):
+            continue
+        prefix = name + "." if name else ""
+        archs = [u.arch for u in units if u.arch != "torch" and (u.owner == name or u.owner.startswith(prefix))]
+        if archs:
+            roots[name] = archs[0]
+    return BuiltinDetection(units=units, recognized_roots=roots)

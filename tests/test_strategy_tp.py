@@ -43,9 +43,9 @@ def test_bert_tp2_dp2_on_4_processes_matches_ddp_on_2():
 
 
 def test_gradient_clipping_and_accumulation_use_the_whole_model():
-    extra = ("--clip", "0.05", "--accumulate", "2")
+    extra = ("--clip", "0.05", "--accumulate", "2", "--optimizer", "sgd")
     ours = _run("megatron", 2, "gpt", "--tp", "2", "--user-plan", *extra)
     ref = _run("ddp", 1, "gpt", *extra)
-    unclipped = _run("ddp", 1, "gpt", "--accumulate", "2")
-    assert max(abs(a - b) for a, b in zip(ref["train_loss"], unclipped["train_loss"])) > 1e-3, "clip had no effect"
+    unclipped = _run("ddp", 1, "gpt", "--accumulate", "2", "--optimizer", "sgd")
+    assert max(abs(a - b) for a, b in zip(ref["train_loss"], unclipped["train_loss"])) > 5e-3, "clip had no effect"
     _assert_same_training(ours, ref)

@@ -35,15 +35,21 @@ class TokenDataset(Dataset):
 
 
 class BaseModule(L.LightningModule):
-    def __init__(self, lr: float = 1e-3, batch_size: int = 4, n_train: int = 64, n_val: int = 16):
+    def __init__(self, lr: float = 1e-3, batch_size: int = 4, n_train: int = 64, n_val: int = 16, optimizer: str = "adamw"):
         super().__init__()
         self.lr, self.batch_size, self.n_train, self.n_val = lr, batch_size, n_train, n_val
+        self.optimizer = optimizer
 
     def configure_optimizers(self):
+        if self.optimizer == "sgd":  # sensitive to the gradient's scale, unlike Adam: shows clipping
+            return torch.optim.SGD(self.parameters(), lr=0.5)
         return torch.optim.AdamW(self.parameters(), lr=self.lr, weight_decay=0.01)
 
     def train_dataloader(self):
         return DataLoader(TokenDataset(self.n_train), batch_size=self.batch_size, shuffle=False)
+
+    def on_save_checkpoint(self, checkpoint):
+        checkpoint["user_extra"] = "kept"  # user hooks still run under the strategy
 
     def val_dataloader(self):
         return DataLoader(TokenDataset(self.n_val, seed=99), batch_size=self.batch_size)
@@ -57,6 +63,18 @@ class BaseModule(L.LightningModule):
         loss = self.compute_loss(batch)
         self.log("val_loss", loss, sync_dist=True)
         return loss
+
+    def test_dataloader(self):
+        return DataLoader(TokenDataset(self.n_val, seed=5), batch_size=self.batch_size)
+
+    def test_step(self, batch, batch_idx):
+        self.log("test_loss", self.compute_loss(batch), sync_dist=True)
+
+    def predict_dataloader(self):
+        return self.test_dataloader()
+
+    def predict_step(self, batch, batch_idx):
+        return self.compute_loss(batch).reshape(1)
 
 
 class BertClassifier(BaseModule):

@@ -42,7 +42,12 @@ def main() -> None:
     p.add_argument("--pp", type=int, default=1)
     p.add_argument("--vp", type=int, default=None)
     p.add_argument("--layers", type=int, default=2)
-    p.add_argument("--steps", type=int, default=6)
+    p.add_argument("--optimizer", choices=["adamw", "sgd"], default="adamw")
+    p.add_argument("--n-train", type=int, default=64)
+    p.add_argument("--save", help="save a checkpoint here after fit")
+    p.add_argument("--resume", help="fit(ckpt_path=...) from here")
+    p.add_argument("--eval", action="store_true", help="after fit: validate, test and predict")
+    p.add_argument("--steps", type=int, default=8)
     p.add_argument("--user-plan", action="store_true", help="pass the model's TP_PLAN as tp_plan")
     p.add_argument("--clip", type=float, default=None)
     p.add_argument("--accumulate", type=int, default=1)
@@ -50,7 +55,7 @@ def main() -> None:
 
     torch.set_num_threads(1)
     L.seed_everything(7, verbose=False)
-    module = MODELS[args.model](n_layer=args.layers)
+    module = MODELS[args.model](n_layer=args.layers, optimizer=args.optimizer, n_train=args.n_train)
     if args.strategy == "ddp":
         strategy = DDPStrategy()
     else:
@@ -75,9 +80,17 @@ def main() -> None:
         gradient_clip_val=args.clip,
         accumulate_grad_batches=args.accumulate,
     )
-    trainer.fit(module)
+    trainer.fit(module, ckpt_path=args.resume)
+    result = {"train_loss": rec.train_loss, "val_loss": rec.val_loss}
+    if args.save:
+        trainer.save_checkpoint(args.save)
+    if args.eval:
+        result["validate"] = trainer.validate(module, verbose=False)[0]["val_loss"]
+        result["test"] = trainer.test(module, verbose=False)[0]["test_loss"]
+        preds = trainer.predict(module)
+        result["predict"] = [float(x) for p in preds for x in p.reshape(-1)]
     if trainer.is_global_zero:
-        Path(args.out).write_text(json.dumps({"train_loss": rec.train_loss, "val_loss": rec.val_loss}))
+        Path(args.out).write_text(json.dumps(result))
 
 
 if __name__ == "__main__":

@@ -35,3 +35,8 @@ __all__ = [
     "simulate_steps",
     "validate_schedule",
 ]
+
+from megastrategy.pipeline.executor import PipelineExecutor  # noqa: E402
+from megastrategy.pipeline.p2p import PipelineCommunicator, RecvHandle  # noqa: E402
+
+__all__ += ["PipelineCommunicator", "PipelineExecutor", "RecvHandle"]

@@ -1,0 +1,258 @@
+"""Run any per-rank pipeline schedule: forwards, backwards and the messages between them.
+
+The executor knows nothing about the model. For every step of the rank's schedule it
+receives what the step needs from the neighbouring stage, calls the caller's
+``forward_step`` (or runs autograd for a backward), and sends the result on:
+
+* forward of ``(chunk, microbatch)``: the input is ``None`` on the first virtual stage,
+  elsewhere the received activation made a leaf with ``requires_grad=True``; the output
+  is the loss on the last virtual stage, elsewhere the activation sent to the next stage;
+* backward: ``loss * loss_scale`` is backpropagated on the last virtual stage; elsewhere
+  the received output gradient is backpropagated through the stored output, and the
+  input's gradient is sent to the previous stage.
+
+Virtual stage of (rank ``r``, chunk ``c``) is ``c * pp_size + r``; its next stage is on
+rank ``r + 1`` (the first rank after the last one), so the communicator's ring neighbours
+serve every chunk.
+
+Receives are posted in schedule order, which matches the order in which the neighbour
+sends (every rank walks the same microbatch/chunk order), and every message carries its
+microbatch id, checked on arrival, so a schedule mismatch fails loudly.
+
+Memory: an output activation is only needed for its ``grad_fn`` once it has been sent,
+so its storage is swapped for a one-element buffer expanded to the original shape
+("pseudo-free"); ``torch.autograd.backward(out, grad)`` still passes its shape check and
+runs the graph from ``out.grad_fn``. Whatever the graph saved itself (e.g. tanh's result)
+is unaffected, so gradients are exact. Everything kept for a microbatch is dropped right
+after its backward.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+import torch
+from torch import Tensor
+
+from megastrategy.pipeline.p2p import PipelineCommunicator, RecvHandle
+
+__all__ = ["PipelineExecutor"]
+
+ForwardStep = Callable[[int, int, "Tensor | None"], Tensor]
+
+
+class PipelineExecutor:
+    """Executes a rank's list of :class:`~megastrategy.pipeline.schedules.ScheduleStep`.
+
+    ``overlap_p2p_comm``: post the receive of the next step before computing the current
+    one (results are identical; on gloo only the header is posted early, the payload is
+    received when the step needs it). ``deallocate_outputs``: pseudo-free sent activations
+    (see the module doc). After :meth:`run`, ``peak_in_flight`` is the most
+    (chunk, microbatch) pairs whose forward state was held at once, and ``last_run``
+    a dict of counters (``forwards``, ``backwards``, ``freed_bytes``, ``peak_in_flight``).
+    """
+
+    def __init__(
+        self,
+        comm: PipelineCommunicator,
+        *,
+        pp_size: int,
+        pp_rank: int,
+        vp_size: int = 1,
+        overlap_p2p_comm: bool = False,
+        deallocate_outputs: bool = True,
+    ) -> None:
+        if pp_size < 1 or not 0 <= pp_rank < pp_size or vp_size < 1:
+            raise ValueError(f"bad pipeline coordinates pp_size={pp_size}, pp_rank={pp_rank}, vp_size={vp_size}.")
+        if comm.pp_size != pp_size or comm.pp_rank != pp_rank:
+            raise ValueError(
+                f"the communicator is for stage {comm.pp_rank} of {comm.pp_size}, the executor for stage "
+                f"{pp_rank} of {pp_size}."
+            )
+        self.comm = comm
+        self.pp_size = pp_size
+        self.pp_rank = pp_rank
+        self.vp_size = vp_size
+        self.overlap_p2p_comm = overlap_p2p_comm
+        self.deallocate_outputs = deallocate_outputs
+        self.num_stages = pp_size * vp_size
+        self.peak_in_flight = 0
+        self.last_run: dict[str, int] = {}
+
+    # ------------------------------------------------------------------------------
+    def stage(self, chunk: int) -> int:
+        return chunk * self.pp_size + self.pp_rank
+
+    def is_first_stage(self, chunk: int) -> bool:
+        return self.stage(chunk) == 0
+
+    def is_last_stage(self, chunk: int) -> bool:
+        return self.stage(chunk) == self.num_stages - 1
+
+    @property
+    def holds_last_stage(self) -> bool:
+        """Whether this rank runs the last virtual stage (and so returns outputs)."""
+        return self.pp_rank == self.pp_size - 1
+
+    def _needed_recv(self, step) -> str | None:
+        is_forward, chunk, _ = step
+        if is_forward:
+            return None if self.is_first_stage(chunk) else "forward"
+        return None if self.is_last_stage(chunk) else "backward"
+
+    def _check_steps(self, steps: Sequence, num_microbatches: int, forward_only: bool) -> list[tuple[bool, int, int]]:
+        out = []
+        forwards: set[tuple[int, int]] = set()
+        backwards: set[tuple[int, int]] = set()
+        for i, step in enumerate(steps):
+            is_forward, chunk, mb = bool(step[0]), int(step[1]), int(step[2])
+            where = f"step {i} {tuple(step)} of the schedule for pp_rank {self.pp_rank}"
+            if not 0 <= chunk < self.vp_size:
+                raise ValueError(f"{where}: chunk {chunk} is outside [0, {self.vp_size}).")
+            if not 0 <= mb < num_microbatches:
+                raise ValueError(f"{where}: microbatch {mb} is outside [0, {num_microbatches}).")
+            key = (chunk, mb)
+            if is_forward:
+                if key in forwards:
+                    raise ValueError(f"{where}: forward of chunk {chunk}, microbatch {mb} runs twice.")
+                forwards.add(key)
+            else:
+                if forward_only:
+                    raise ValueError(f"{where}: a backward step in a forward_only run.")
+                if key not in forwards or key in backwards:
+                    raise ValueError(f"{where}: backward without a preceding forward (or twice).")
+                backwards.add(key)
+            out.append((is_forward, chunk, mb))
+        if not forward_only and backwards != forwards:
+            missing = sorted(forwards - backwards)
+            raise ValueError(f"schedule for pp_rank {self.pp_rank}: forwards without a backward: {missing[:8]}.")
+        return out
+
+    # ------------------------------------------------------------------------------
+    def run(
+        self,
+        steps: Sequence,
+        *,
+        forward_step: ForwardStep,
+        num_microbatches: int,
+        forward_only: bool = False,
+        loss_scale: float = 1.0,
+    ) -> list:
+        """Run ``steps`` (this rank's schedule); return the last virtual stage's outputs.
+
+        The result is a list indexed by microbatch (losses, detached) on the rank holding
+        the last virtual stage, ``[]`` elsewhere. Parameter gradients are accumulated into
+        ``.grad`` as ``torch.autograd.backward`` does. An exception raised by
+        ``forward_step`` (or autograd) propagates unchanged.
+        """
+        plan = self._check_steps(steps, num_microbatches, forward_only)
+        comm = self.comm
+        outputs: list = [None] * num_microbatches if self.holds_last_stage else []
+        stored: dict[tuple[int, int], tuple[Tensor | None, Tensor]] = {}
+        handles: dict[int, RecvHandle] = {}  # step index -> posted receive
+        recv_needed = [self._needed_recv(s) for s in plan]
+        counters = {"forwards": 0, "backwards": 0, "freed_bytes": 0, "peak_in_flight": 0}
+        self.peak_in_flight = 0
+        next_to_post = 0  # receives are posted strictly in schedule order
+
+        def post_until(limit: int) -> None:
+            """Post the receives of steps [next_to_post, limit]."""
+            nonlocal next_to_post
+            while next_to_post <= min(limit, len(plan) - 1):
+                i = next_to_post
+                next_to_post += 1
+                if recv_needed[i] is not None:
+                    handles[i] = comm.send_and_irecv(None, None, recv_needed[i], expect_microbatch=plan[i][2])
+
+        def take_input(i: int) -> Tensor:
+            return handles.pop(i).wait()
+
+        def send(i: int, direction: str, tensor: Tensor, mb: int) -> None:
+            """Send; fuse it with the next step's receive when that is not posted yet."""
+            nonlocal next_to_post
+            j = i + 1
+            if not self.overlap_p2p_comm and next_to_post == j and j < len(plan) and recv_needed[j] is not None:
+                next_to_post = j + 1
+                handles[j] = comm.send_and_irecv(
+                    direction, tensor, recv_needed[j], microbatch=mb, expect_microbatch=plan[j][2]
+                )
+            else:
+                comm.send_and_irecv(direction, tensor, None, microbatch=mb)
+
+        grad_mode = torch.no_grad() if forward_only else torch.enable_grad()
+        try:
+            for i, (is_forward, chunk, mb) in enumerate(plan):
+                post_until(i)  # this step's own receive, unless posted earlier
+                if is_forward:
+                    inp = None
+                    if not self.is_first_stage(chunk):
+                        inp = take_input(i)
+                        if not forward_only:
+                            inp.requires_grad_(True)
+                    if self.overlap_p2p_comm:
+                        post_until(i + 1)
+                    with grad_mode:
+                        out = forward_step(chunk, mb, inp)
+                    counters["forwards"] += 1
+                    if not isinstance(out, Tensor):
+                        raise TypeError(
+                            f"forward_step(chunk={chunk}, microbatch={mb}) returned {type(out).__name__}; it must "
+                            f"return a Tensor (the loss on the last virtual stage, the activation elsewhere)."
+                        )
+                    if self.is_last_stage(chunk):
+                        if not forward_only and out.numel() != 1:
+                            raise ValueError(
+                                f"forward_step(chunk={chunk}, microbatch={mb}) on the last virtual stage must return "
+                                f"the scalar loss; got shape {tuple(out.shape)}."
+                            )
+                        outputs[mb] = out.detach()
+                    else:
+                        send(i, "forward", out, mb)
+                        if not forward_only and self.deallocate_outputs:
+                            counters["freed_bytes"] += _pseudo_free(out)
+                    if not forward_only:
+                        stored[(chunk, mb)] = (inp, out)
+                        self.peak_in_flight = max(self.peak_in_flight, len(stored))
+                    del inp, out
+                else:
+                    inp, out = stored.pop((chunk, mb))
+                    if self.is_last_stage(chunk):
+                        if self.overlap_p2p_comm:
+                            post_until(i + 1)
+                        loss = out.reshape(()) if loss_scale == 1.0 else out.reshape(()) * loss_scale
+                        torch.autograd.backward(loss)
+                        del loss
+                    else:
+                        grad = take_input(i)
+                        if self.overlap_p2p_comm:
+                            post_until(i + 1)
+                        if out.requires_grad:
+                            torch.autograd.backward(out, grad)
+                        del grad
+                    counters["backwards"] += 1
+                    if not self.is_first_stage(chunk):
+                        assert inp is not None
+                        g = inp.grad if inp.grad is not None else torch.zeros_like(inp)
+                        send(i, "backward", g, mb)
+                        del g
+                    del inp, out
+            comm.wait_all()
+        finally:
+            stored.clear()
+            handles.clear()
+            counters["peak_in_flight"] = self.peak_in_flight
+            self.last_run = counters
+        return outputs
+
+
+def _pseudo_free(out: Tensor) -> int:
+    """Replace ``out``'s storage by one element expanded to its shape; return bytes released.
+
+    Only for non-leaf, non-view outputs with a ``grad_fn``: a leaf is the caller's tensor, a
+    view's storage belongs to its base (nothing would be released).
+    """
+    if out.grad_fn is None or out._base is not None or out.numel() <= 1:
+        return 0
+    nbytes = out.numel() * out.element_size()
+    out.data = torch.empty(1, dtype=out.dtype, device=out.device).expand(out.shape)
+    return nbytes

@@ -347,19 +347,13 @@ class MegatronStrategy(DDPStrategy):
             return tensor
         if group is None:
             group = self.parallel_state.dp_group
-        op = str(reduce_op).lower() if reduce_op is not None else "mean"
+        op = _reduce_op_name(reduce_op)
         tensor = tensor.clone()
-        if op in ("mean", "avg", "reduceop.avg"):
+        if op == "mean":
             dist.all_reduce(tensor, group=group)
             tensor = tensor / dist.get_world_size(group)
-        elif op in ("sum", "reduceop.sum"):
-            dist.all_reduce(tensor, group=group)
-        elif op in ("max", "reduceop.max"):
-            dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=group)
-        elif op in ("min", "reduceop.min"):
-            dist.all_reduce(tensor, op=dist.ReduceOp.MIN, group=group)
         else:
-            raise ValueError(f"reduce_op={reduce_op!r}: use 'mean', 'sum', 'max' or 'min'.")
+            dist.all_reduce(tensor, op=getattr(dist.ReduceOp, op.upper()), group=group)
         return tensor
 
     # ------------------------------------------------------------------ checkpoints
@@ -397,6 +391,19 @@ class MegatronStrategy(DDPStrategy):
             self.grad_buffer.remove()
             self.grad_buffer = None
         super().teardown()
+
+
+def _reduce_op_name(reduce_op) -> str:
+    if reduce_op is None:
+        return "mean"
+    if isinstance(reduce_op, str):
+        name = {"avg": "mean"}.get(reduce_op.lower(), reduce_op.lower())
+    else:
+        ops = {dist.ReduceOp.SUM: "sum", dist.ReduceOp.AVG: "mean", dist.ReduceOp.MAX: "max", dist.ReduceOp.MIN: "min"}
+        name = next((n for op, n in ops.items() if reduce_op == op), str(reduce_op))
+    if name not in ("mean", "sum", "max", "min"):
+        raise ValueError(f"reduce_op={reduce_op!r}: use 'mean', 'sum', 'max' or 'min'.")
+    return name
 
 
 def _broadcast_module_states(module: nn.Module, src: int) -> None:

@@ -165,4 +165,29 @@ class EncoderClassifier(BaseModule):
         return F.cross_entropy(self.head(pooled), batch["labels"])
 
 
-MODELS = {"bert": BertClassifier, "gpt": GPT, "encoder": EncoderClassifier}
+class BertWithMetrics(BertClassifier):
+    """Logs torchmetrics objects, a prog-bar value and a log_dict, as real training code does."""
+
+    def __init__(self, **kw):
+        super().__init__(**kw)
+        import torchmetrics
+
+        self.train_acc = torchmetrics.Accuracy(task="multiclass", num_classes=3)
+        self.val_acc = torchmetrics.Accuracy(task="multiclass", num_classes=3)
+
+    def training_step(self, batch, batch_idx):
+        out = self.model(**batch)
+        self.train_acc(out.logits.argmax(-1), batch["labels"])
+        self.log("train_loss", out.loss, prog_bar=True)
+        self.log("train_acc", self.train_acc, on_step=True, on_epoch=True)
+        self.log_dict({"logit_mean": out.logits.mean()})
+        return out.loss
+
+    def validation_step(self, batch, batch_idx):
+        out = self.model(**batch)
+        self.val_acc(out.logits.argmax(-1), batch["labels"])
+        self.log("val_loss", out.loss, sync_dist=True, prog_bar=True)
+        self.log("val_acc", self.val_acc, on_epoch=True)
+
+
+MODELS = {"bert": BertClassifier, "gpt": GPT, "encoder": EncoderClassifier, "bert-metrics": BertWithMetrics}

@@ -43,3 +43,20 @@ def test_pipeline_layout_matches_ddp(model, plan, layout):
 def test_clip_and_accumulation_under_tp_pp_use_the_global_norm():
     extra = ("--clip", "0.05", "--accumulate", "2", "--optimizer", "sgd")
     _assert_same(_run("megatron", 4, "gpt", "--tp", "2", "--pp", "2", "--user-plan", *extra), _run("ddp", 1, "gpt", *extra))
+
+
+def test_logging_surface_under_tp_pp_matches_ddp(tmp_path):
+    """torchmetrics objects, prog_bar, log_dict, the sanity check, ModelCheckpoint(monitor) and
+    EarlyStopping all see on rank 0 (first stage) what single-device training shows."""
+    args = ["--model", "bert-metrics", "--layers", "4", "--steps", "4"]
+    ours = run_script(SCRIPT, 4, args + ["--strategy", "megatron", "--tp", "2", "--pp", "2", "--callbacks", str(tmp_path / "a")], timeout=400)
+    ref = run_script(SCRIPT, 1, args + ["--strategy", "ddp", "--callbacks", str(tmp_path / "b")], timeout=400)
+    assert max(abs(a - b) for a, b in zip(ours["train_loss"], ref["train_loss"])) < TOL
+    for mine, theirs in zip(ours["metrics"], ref["metrics"]):
+        assert mine.keys() == theirs.keys() and {"train_acc_step", "logit_mean", "train_loss"} <= mine.keys()
+        assert all(abs(mine[k] - theirs[k]) < TOL for k in mine), (mine, theirs)
+    assert ours["progress"][-1].keys() == ref["progress"][-1].keys()
+    assert abs(ours["best_model_score"] - ref["best_model_score"]) < TOL
+    final, final_ref = ours["final_metrics"], ref["final_metrics"]
+    assert final.keys() == final_ref.keys() and {"val_acc", "train_acc_epoch", "val_loss"} <= final.keys()
+    assert all(abs(final[k] - final_ref[k]) < TOL for k in final), (final, final_ref)

@@ -23,10 +23,12 @@ from tests.helpers.models import MODELS  # noqa: E402
 
 class Recorder(Callback):
     def __init__(self):
-        self.train_loss, self.val_loss = [], []
+        self.train_loss, self.val_loss, self.metrics, self.progress = [], [], [], []
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         self.train_loss.append(float(outputs["loss"]))
+        self.metrics.append({k: float(v) for k, v in trainer.callback_metrics.items()})
+        self.progress.append({k: float(v) for k, v in trainer.progress_bar_metrics.items()})
 
     def on_validation_epoch_end(self, trainer, pl_module):
         if "val_loss" in trainer.callback_metrics and not trainer.sanity_checking:
@@ -47,6 +49,7 @@ def main() -> None:
     p.add_argument("--save", help="save a checkpoint here after fit")
     p.add_argument("--resume", help="fit(ckpt_path=...) from here")
     p.add_argument("--eval", action="store_true", help="after fit: validate, test and predict")
+    p.add_argument("--callbacks", help="a folder: run the sanity check, ModelCheckpoint(monitor) and EarlyStopping")
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--user-plan", action="store_true", help="pass the model's TP_PLAN as tp_plan")
     p.add_argument("--clip", type=float, default=None)
@@ -64,16 +67,24 @@ def main() -> None:
         plan = getattr(module, "TP_PLAN", None) if args.user_plan else None
         strategy = MegatronStrategy(tp=args.tp, pp=args.pp, vp=args.vp, tp_plan=plan)
     rec = Recorder()
+    callbacks = [rec]
+    if args.callbacks:
+        from lightning.pytorch.callbacks import EarlyStopping, ModelCheckpoint
+
+        callbacks += [
+            ModelCheckpoint(dirpath=args.callbacks, monitor="val_loss", save_top_k=1, every_n_train_steps=args.steps),
+            EarlyStopping(monitor="val_loss", patience=100),
+        ]
     trainer = L.Trainer(
         accelerator="cpu",
         devices=int(os.environ["WORLD_SIZE"]),
         strategy=strategy,
         max_steps=args.steps,
         val_check_interval=args.steps,
-        num_sanity_val_steps=0,
+        num_sanity_val_steps=2 if args.callbacks else 0,
         limit_val_batches=2,
-        callbacks=[rec],
-        enable_checkpointing=False,
+        callbacks=callbacks,
+        enable_checkpointing=bool(args.callbacks),
         logger=False,
         enable_progress_bar=False,
         enable_model_summary=False,
@@ -81,7 +92,10 @@ def main() -> None:
         accumulate_grad_batches=args.accumulate,
     )
     trainer.fit(module, ckpt_path=args.resume)
-    result = {"train_loss": rec.train_loss, "val_loss": rec.val_loss}
+    result = {"train_loss": rec.train_loss, "val_loss": rec.val_loss, "metrics": rec.metrics, "progress": rec.progress}
+    result["final_metrics"] = {k: float(v) for k, v in trainer.callback_metrics.items()}
+    if args.callbacks:
+        result["best_model_score"] = float(trainer.checkpoint_callback.best_model_score)
     if args.save:
         trainer.save_checkpoint(args.save)
     if args.eval:

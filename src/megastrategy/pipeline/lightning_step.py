@@ -36,35 +36,82 @@ def _as_loss(output: Any, step_name: str) -> Optional[torch.Tensor]:
 
 
 class _LogCapture:
-    """Records ``self.log`` calls made during the microbatches of one step."""
+    """Records ``self.log`` calls made during the microbatches of one step.
 
-    def __init__(self) -> None:
+    Plain values are averaged over microbatches. A torchmetrics object is recorded by its
+    attribute path: the metric itself accumulated every microbatch, and its state is shipped
+    to the other stages so that every rank logs an identical metric.
+    """
+
+    def __init__(self, module) -> None:
         self.calls: dict[str, tuple[list[float], dict[str, Any]]] = {}
+        self.metrics: dict[str, tuple[str, dict[str, Any]]] = {}
+        self.metric_step_values: dict[str, list[torch.Tensor]] = {}
+        self._metric_paths = _metric_paths(module)
 
     def __call__(self, name: str, value: Any, **kwargs: Any) -> None:
-        try:
-            from torchmetrics import Metric
-
-            if isinstance(value, Metric):
-                raise MegatronConfigError(
-                    f"self.log({name!r}, <torchmetrics.{type(value).__name__}>) under pipeline parallelism: log the "
-                    "metric's computed value (e.g. self.log(name, metric(preds, y))) so it can be sent from the "
-                    "last stage to every rank."
-                )
-        except ImportError:  # pragma: no cover
-            pass
-        value = float(value.detach().float().mean()) if isinstance(value, torch.Tensor) else float(value)
         kwargs = {k: v for k, v in kwargs.items() if k not in _UNPICKLABLE_LOG_ARGS}
+        if id(value) in self._metric_paths:
+            self.metrics[name] = (self._metric_paths[id(value)], kwargs)
+            if isinstance(value._forward_cache, torch.Tensor):  # this microbatch's value
+                self.metric_step_values.setdefault(name, []).append(value._forward_cache.detach().float())
+            return
+        if not isinstance(value, (torch.Tensor, int, float)):
+            raise MegatronConfigError(
+                f"self.log({name!r}, {type(value).__name__}) under pipeline parallelism: log a number, a tensor, "
+                "or a torchmetrics Metric that is an attribute of the LightningModule."
+            )
+        value = float(value.detach().float().mean()) if isinstance(value, torch.Tensor) else float(value)
         values, _ = self.calls.setdefault(name, ([], kwargs))
         values.append(value)
 
     def averaged(self) -> list[tuple[str, float, dict[str, Any]]]:
         return [(name, sum(vals) / len(vals), kw) for name, (vals, kw) in self.calls.items()]
 
+    def metric_step_value(self, name: str) -> Optional[torch.Tensor]:
+        """The step's value of a logged metric: the mean of its microbatch values (exact for
+        averaged metrics such as accuracy, since microbatches have equal sizes)."""
+        values = self.metric_step_values.get(name)
+        return torch.stack(values).mean(0).cpu() if values else None
+
+
+def _metric_paths(module) -> dict[int, str]:
+    try:
+        from torchmetrics import Metric
+    except ImportError:  # pragma: no cover - torchmetrics is a dependency
+        return {}
+    return {id(m): name for name, m in module.named_modules() if isinstance(m, Metric)}
+
+
+_METRIC_EXTRA = ("_forward_cache", "_update_count", "_computed")
+
+
+def _metric_snapshot(metric, step_value: Optional[torch.Tensor]) -> dict[str, Any]:
+    """Everything Lightning reads from a logged metric: its states and the step's value."""
+    detach = lambda v: v.detach().cpu() if isinstance(v, torch.Tensor) else v  # noqa: E731
+    states = {
+        k: ([detach(x) for x in v] if isinstance(v, list) else detach(v)) for k, v in metric.metric_state.items()
+    }
+    snapshot = {"states": states, **{k: detach(getattr(metric, k, None)) for k in _METRIC_EXTRA}}
+    if step_value is not None:
+        snapshot["_forward_cache"] = step_value
+    return snapshot
+
+
+def _restore_metric(metric, snapshot: dict[str, Any], device: torch.device, *, states: bool) -> None:
+    move = lambda v: v.to(device) if isinstance(v, torch.Tensor) else v  # noqa: E731
+    if states:
+        for k, v in snapshot["states"].items():
+            setattr(metric, k, [move(x) for x in v] if isinstance(v, list) else move(v))
+        for k in _METRIC_EXTRA:
+            setattr(metric, k, move(snapshot[k]))
+    else:
+        metric._forward_cache = move(snapshot["_forward_cache"])
+
 
 @contextmanager
 def _capturing_logs(module) -> Any:
-    capture = _LogCapture()
+    capture = _LogCapture(module)
     module.log = capture  # instance attribute shadows LightningModule.log for this step only
     try:
         yield capture
@@ -130,12 +177,25 @@ class PipelinedStep:
                 )
         payload = [None]
         if dist.get_rank() == self.last_stage_rank:
-            payload = [{"logs": capture.averaged(), "result": _summarize(outputs, step_name)}]
+            payload = [
+                {
+                    "logs": capture.averaged(),
+                    "metrics": {
+                        name: (path, kw, _metric_snapshot(module.get_submodule(path), capture.metric_step_value(name)))
+                        for name, (path, kw) in capture.metrics.items()
+                    },
+                    "result": _summarize(outputs, step_name),
+                }
+            ]
         dist.broadcast_object_list(payload, src=self.last_stage_rank, group=self.pp_group)
-        logs, result = payload[0]["logs"], payload[0]["result"]
-        for name, value, kwargs in logs:
+        payload = payload[0]
+        for name, value, kwargs in payload["logs"]:
             module.log(name, torch.tensor(value), **kwargs)
-        return result
+        for name, (path, kwargs, snapshot) in payload["metrics"].items():
+            metric = module.get_submodule(path)
+            _restore_metric(metric, snapshot, module.device, states=dist.get_rank() != self.last_stage_rank)
+            module.log(name, metric, **kwargs)
+        return payload["result"]
 
 
 def _eval_scalar(out: Any) -> torch.Tensor:

@@ -22,7 +22,6 @@ from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from torch import nn
 
-from megastrategy import checkpoint_io
 from megastrategy.batch_broadcast import broadcast_batch
 from megastrategy.ddp.grad_buffer import DEFAULT_BUCKET_NUMEL, GradientBuffer
 from megastrategy.ddp.grad_clip import clip_grad_norm_
@@ -34,6 +33,7 @@ from megastrategy.parallel_state import DEFAULT_ORDER, ParallelLayout, ParallelS
 from megastrategy.pipeline.layer_assignment import assign_layers
 from megastrategy.pipeline.schedules import validate_schedule
 from megastrategy.pipeline.stage import PipelineStage, cut_stage, find_layer_stack
+from megastrategy.watchdog import FailureWatchdog
 
 log = logging.getLogger(__name__)
 
@@ -58,6 +58,11 @@ class MegatronStrategy(DDPStrategy):
         grad_reduce_in_fp32: accumulate and all-reduce gradients in fp32.
         bucket_numel: elements per data-parallel all-reduce bucket.
         timeout: the limit for every collective.
+        watchdog: when a rank fails, stop every rank within seconds with a message naming it.
+        heartbeat_timeout: seconds of silence after which a rank is declared dead.
+        detect_anomalies: check gradients for NaN/inf on every rank before each optimizer step.
+        on_nonfinite: what a non-finite gradient anywhere does: ``"skip"`` the step on every
+            rank, or ``"raise"`` on every rank.
     """
 
     strategy_name = "megatron"
@@ -78,6 +83,10 @@ class MegatronStrategy(DDPStrategy):
         grad_reduce_in_fp32: bool = True,
         bucket_numel: int = DEFAULT_BUCKET_NUMEL,
         timeout: timedelta = timedelta(minutes=10),
+        watchdog: bool = True,
+        heartbeat_timeout: float = 60.0,
+        detect_anomalies: bool = False,
+        on_nonfinite: Literal["skip", "raise"] = "raise",
         **kwargs: Any,
     ) -> None:
         super().__init__(timeout=timeout, **kwargs)
@@ -113,6 +122,12 @@ class MegatronStrategy(DDPStrategy):
         self.rng_tracker: Optional[ModelParallelRNGTracker] = None
         self.resolved_plan: Optional[ResolvedPlan] = None
         self.grad_buffer: Optional[GradientBuffer] = None
+        if on_nonfinite not in ("skip", "raise"):
+            raise MegatronConfigError(f"on_nonfinite={on_nonfinite!r}: use 'skip' or 'raise'.")
+        self._use_watchdog, self.heartbeat_timeout = watchdog, heartbeat_timeout
+        self.detect_anomalies, self.on_nonfinite = detect_anomalies, on_nonfinite
+        self.watchdog: Optional[FailureWatchdog] = None
+        self.skipped_steps = 0
 
     # ------------------------------------------------------------------ validation & groups
     def _validate_layout(self) -> ParallelLayout:
@@ -155,6 +170,49 @@ class MegatronStrategy(DDPStrategy):
                 self.layout, self.global_rank, backend=self._process_group_backend, timeout=self._timeout
             )
         log.info(self.parallel_state.describe())
+        self._start_watchdog()
+
+    def _start_watchdog(self) -> None:
+        if not self._use_watchdog or self.watchdog is not None or self.world_size == 1:
+            return
+        try:
+            from torch.distributed.distributed_c10d import _get_default_store
+
+            store = _get_default_store()
+        except Exception as err:  # noqa: BLE001 - an init method without a store
+            log.warning(f"megastrategy: no rendezvous store ({err}); failures will surface at the collective timeout")
+            return
+        layout = self.layout
+
+        def describe(rank: int) -> str:
+            c = layout.dense_generator().coordinates(rank)
+            return f"rank {rank} (tp {c['tp']}, pp {c['pp']}, dp {c['dp']})"
+
+        self.watchdog = FailureWatchdog(
+            store, self.global_rank, self.world_size, describe_rank=describe, heartbeat_timeout=self.heartbeat_timeout
+        )
+        self.watchdog.start()
+
+    def _doing(self, text: str) -> None:
+        if self.watchdog is not None:
+            self.watchdog.set_activity(text)
+
+    def on_exception(self, exception: BaseException) -> None:
+        super().on_exception(exception)
+        if self.watchdog is None:
+            return
+        text = str(exception)
+        if any(s in text for s in ("Connection closed by peer", "Connection reset", "Broken pipe", "Socket closed")):
+            # We lost a peer; wait for the heartbeats to say which one, then name it.
+            found = self.watchdog.wait_for_diagnosis(self.heartbeat_timeout + 5)
+        else:
+            found = self.watchdog.report_failure(exception)
+        if self.global_rank == 0:  # the store lives here: let peers read the record before it goes
+            import time
+
+            time.sleep(4 * self.watchdog.poll_interval)
+        if found and hasattr(exception, "add_note"):
+            exception.add_note(f"[megastrategy] {found}")
 
     @property
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
@@ -259,6 +317,7 @@ class MegatronStrategy(DDPStrategy):
             return self._pipelined("training_step", args, kwargs)
 
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        self._doing(f"validation_step (batch {args[1] if len(args) > 1 else '?'})")
         if self.pipeline is None:
             return super().validation_step(*args, **kwargs)
         args, kwargs = self.precision_plugin.convert_input((args, kwargs))
@@ -293,6 +352,11 @@ class MegatronStrategy(DDPStrategy):
         return self._broadcast_batch if self._broadcast_batch is not None else self.tp > 1
 
     def batch_to_device(self, batch: Any, device: Optional[torch.device] = None, dataloader_idx: int = 0) -> Any:
+        # The first per-batch call Lightning makes: the right moment to say what this rank is doing.
+        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        if trainer is not None:
+            what = "training" if trainer.training else str(trainer.state.stage or "running")
+            self._doing(f"{what} step {trainer.global_step}")
         batch = super().batch_to_device(batch, device, dataloader_idx)
         if self._should_broadcast_batch and self.parallel_state is not None:
             ps = self.parallel_state
@@ -305,7 +369,12 @@ class MegatronStrategy(DDPStrategy):
 
         def closure_then_reduce() -> Any:
             result = closure()
+            step = self.lightning_module.trainer.global_step if self.lightning_module is not None else "?"
+            self._doing(f"gradient reduction and optimizer step {step}")
             if buffer is not None and buffer.has_grads:
+                if self.detect_anomalies and not self._grads_finite_everywhere(buffer):
+                    buffer.zero()  # every rank skips (or raises) together
+                    return result
                 self._sync_tied_embedding_grads()
                 buffer.reduce()  # once per optimizer step, after every microbatch/accumulation
                 buffer.expose_grads()
@@ -316,6 +385,24 @@ class MegatronStrategy(DDPStrategy):
         finally:
             if buffer is not None:
                 buffer.zero()
+
+    def _grads_finite_everywhere(self, buffer: GradientBuffer) -> bool:
+        """Agree over all ranks whether any gradient is NaN/inf; report which ranks and the step."""
+        finite = all(bool(torch.isfinite(b).all()) for b in buffer.buffers.values())
+        local = torch.tensor([0.0 if finite else 1.0], device=self.root_device)
+        flags = [torch.zeros_like(local) for _ in range(self.world_size)]
+        dist.all_gather(flags, local)
+        bad = [r for r, f in enumerate(flags) if float(f) > 0]
+        if not bad:
+            return True
+        step = self.lightning_module.trainer.global_step if self.lightning_module is not None else "?"
+        message = f"non-finite gradients on rank(s) {bad} at step {step}"
+        if self.on_nonfinite == "raise":
+            raise FloatingPointError(f"{message}; stopping every rank (on_nonfinite='raise').")
+        self.skipped_steps += 1
+        if self.is_global_zero:
+            log.warning(f"megastrategy: {message}; skipping this optimizer step on every rank.")
+        return False
 
     def _sync_tied_embedding_grads(self) -> None:
         """Keep the first and last stages' copies of a tied embedding identical: sum their gradients."""
@@ -362,31 +449,33 @@ class MegatronStrategy(DDPStrategy):
         return {"world_size": lay.world_size, "tp": lay.tp, "pp": lay.pp, "dp": lay.dp, "cp": lay.cp, "ep": lay.ep, "order": lay.order}
 
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath, storage_options: Optional[Any] = None) -> None:
-        """Every rank writes its own shards into the directory ``filepath``."""
+        """Collective: every rank writes its own shards into the DCP checkpoint directory ``filepath``.
+
+        Tensors are stored in the user's original names and shapes, so the checkpoint resumes on
+        any tp/pp/dp layout (see :mod:`megastrategy.checkpoint`).
+        """
         if storage_options is not None:
             raise TypeError("MegatronStrategy.save_checkpoint: storage_options are not supported.")
-        ps = self._state()
-        checkpoint = dict(checkpoint)
-        checkpoint["megastrategy"] = {
-            "rank": self.global_rank,
-            "coords": ps.coords,
-            "shards": _shard_table(self.lightning_module),
-        }
-        checkpoint_io.save_rank_shard(checkpoint, filepath, self.global_rank)
-        self.barrier("megastrategy.save_checkpoint")
-        if self.is_global_zero:
-            checkpoint_io.write_meta(filepath, {"layout": self._layout_record(), "format": "megastrategy-per-rank-v1"})
-        self.barrier("megastrategy.save_checkpoint.meta")
+        from megastrategy.checkpoint.lightning import save_lightning_checkpoint
+
+        save_lightning_checkpoint(self, checkpoint, filepath)
 
     def load_checkpoint(self, checkpoint_path, weights_only: Optional[bool] = None) -> dict[str, Any]:
-        return checkpoint_io.load_rank_shard(checkpoint_path, self.global_rank, expected_layout=self._layout_record())
+        from megastrategy.checkpoint.lightning import load_lightning_checkpoint
+
+        return load_lightning_checkpoint(self, checkpoint_path)
 
     def remove_checkpoint(self, filepath) -> None:
         if self.is_global_zero:
-            checkpoint_io.remove(filepath)
+            from megastrategy.checkpoint.dcp_io import remove_checkpoint_dir
+
+            remove_checkpoint_dir(filepath)
 
     # ------------------------------------------------------------------ teardown
     def teardown(self) -> None:
+        if self.watchdog is not None:
+            self.watchdog.stop()
+            self.watchdog = None
         if self.grad_buffer is not None:
             self.grad_buffer.remove()
             self.grad_buffer = None
@@ -424,16 +513,3 @@ def _set_metric_process_group(module: nn.Module, group) -> None:
         if isinstance(m, Metric):
             m.process_group = group
 
-
-def _shard_table(module: nn.Module) -> dict[str, Any]:
-    table = {}
-    for name, p in module.named_parameters():
-        spec = get_shard_spec(p)
-        if spec is not None:
-            table[name] = {
-                "dim": spec.dim,
-                "full_size": spec.full_size,
-                "padded_size": spec.padded_size,
-                "packed_chunks": spec.packed_chunks,
-            }
-    return table

@@ -20,6 +20,49 @@ from tests.helpers.dist import free_port
 REPO = Path(__file__).resolve().parents[2]
 
 
+def run_script_to_the_end(
+    script: str | Path, nprocs: int, args: list[str], timeout: float = 120, env: Optional[dict] = None
+) -> list[tuple[Optional[int], str, float]]:
+    """Run every rank until it exits on its own (no killing of peers on a failure).
+
+    Returns ``(exit code, output, seconds until exit)`` per rank; exit code ``None`` means the
+    rank was still running at ``timeout`` (then it is killed): a hang.
+    """
+    port = free_port()
+    base_env = dict(os.environ)
+    base_env.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(nprocs), NODE_RANK="0", OMP_NUM_THREADS="1",
+        PYTHONPATH=os.pathsep.join([str(REPO), str(REPO / "src"), base_env.get("PYTHONPATH", "")]),
+        PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false",
+    )
+    base_env.update(env or {})
+    out = Path(tempfile.mkdtemp(prefix="megastrategy-run-")) / "result.json"
+    start = time.monotonic()
+    procs, logs, ended = [], [], {}
+    for rank in range(nprocs):
+        log = tempfile.TemporaryFile(mode="w+")
+        logs.append(log)
+        procs.append(subprocess.Popen([sys.executable, str(script), "--out", str(out), *args],
+                                      env=dict(base_env, RANK=str(rank), LOCAL_RANK=str(rank)),
+                                      stdout=log, stderr=subprocess.STDOUT, cwd=str(REPO)))
+    while len(ended) < nprocs and time.monotonic() - start < timeout:
+        for rank, p in enumerate(procs):
+            if rank not in ended and p.poll() is not None:
+                ended[rank] = time.monotonic() - start
+        time.sleep(0.1)
+    results = []
+    for rank, (p, log) in enumerate(zip(procs, logs)):
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+            code = None
+        else:
+            code = p.returncode
+        log.seek(0)
+        results.append((code, log.read(), ended.get(rank, timeout)))
+    return results
+
+
 def run_script(script: str | Path, nprocs: int, args: list[str], timeout: float = 300, env: Optional[dict] = None) -> dict[str, Any]:
     """Run ``python script --out OUT args...`` on ``nprocs`` processes; return the JSON rank 0 wrote to OUT."""
     out = Path(tempfile.mkdtemp(prefix="megastrategy-run-")) / "result.json"

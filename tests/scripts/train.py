@@ -35,6 +35,30 @@ class Recorder(Callback):
             self.val_loss.append(float(trainer.callback_metrics["val_loss"]))
 
 
+class FaultInjector(Callback):
+    """Makes one rank fail at one step: raise, die by SIGKILL, or produce a NaN gradient."""
+
+    def __init__(self, rank: int, step: int, how: str):
+        self.rank, self.step, self.how = rank, step, how
+
+    def _mine(self, trainer) -> bool:
+        return trainer.global_rank == self.rank and trainer.global_step == self.step
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if self._mine(trainer) and self.how == "raise":
+            raise RuntimeError(f"injected failure on rank {self.rank}")
+        if self._mine(trainer) and self.how == "kill":
+            import signal
+
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    def on_after_backward(self, trainer, pl_module):
+        if self._mine(trainer) and self.how == "nan":
+            p = next(q for q in pl_module.parameters() if q.requires_grad)
+            target = p.main_grad if hasattr(p, "main_grad") else p.grad
+            target.view(-1)[0] = float("nan")
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--out", required=True)
@@ -49,7 +73,14 @@ def main() -> None:
     p.add_argument("--save", help="save a checkpoint here after fit")
     p.add_argument("--resume", help="fit(ckpt_path=...) from here")
     p.add_argument("--eval", action="store_true", help="after fit: validate, test and predict")
+    p.add_argument("--fail-rank", type=int, help="fault injection: this global rank fails")
+    p.add_argument("--fail-step", type=int, default=2)
+    p.add_argument("--fail-how", choices=["raise", "kill", "nan"], default="raise")
+    p.add_argument("--on-nonfinite", choices=["skip", "raise"], help="MegatronStrategy(detect_anomalies=True, on_nonfinite=...)")
+    p.add_argument("--heartbeat-timeout", type=float, default=60.0)
     p.add_argument("--callbacks", help="a folder: run the sanity check, ModelCheckpoint(monitor) and EarlyStopping")
+    p.add_argument("--ckpt-dir", help="a folder: ModelCheckpoint saves '{epoch}-{step}.ckpt' at every epoch end")
+    p.add_argument("--no-val", action="store_true", help="no validation during fit (limit_val_batches=0)")
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--user-plan", action="store_true", help="pass the model's TP_PLAN as tp_plan")
     p.add_argument("--clip", type=float, default=None)
@@ -65,9 +96,14 @@ def main() -> None:
         from megastrategy import MegatronStrategy
 
         plan = getattr(module, "TP_PLAN", None) if args.user_plan else None
-        strategy = MegatronStrategy(tp=args.tp, pp=args.pp, vp=args.vp, tp_plan=plan)
+        extra = {"detect_anomalies": True, "on_nonfinite": args.on_nonfinite} if args.on_nonfinite else {}
+        strategy = MegatronStrategy(
+            tp=args.tp, pp=args.pp, vp=args.vp, tp_plan=plan, heartbeat_timeout=args.heartbeat_timeout, **extra
+        )
     rec = Recorder()
     callbacks = [rec]
+    if args.fail_rank is not None:
+        callbacks.append(FaultInjector(args.fail_rank, args.fail_step, args.fail_how))
     if args.callbacks:
         from lightning.pytorch.callbacks import EarlyStopping, ModelCheckpoint
 
@@ -75,6 +111,14 @@ def main() -> None:
             ModelCheckpoint(dirpath=args.callbacks, monitor="val_loss", save_top_k=1, every_n_train_steps=args.steps),
             EarlyStopping(monitor="val_loss", patience=100),
         ]
+    if args.ckpt_dir:
+        from lightning.pytorch.callbacks import ModelCheckpoint
+
+        callbacks.append(
+            ModelCheckpoint(
+                dirpath=args.ckpt_dir, filename="{epoch}-{step}", save_top_k=-1, every_n_epochs=1, save_on_train_epoch_end=True
+            )
+        )
     trainer = L.Trainer(
         accelerator="cpu",
         devices=int(os.environ["WORLD_SIZE"]),
@@ -82,9 +126,9 @@ def main() -> None:
         max_steps=args.steps,
         val_check_interval=args.steps,
         num_sanity_val_steps=2 if args.callbacks else 0,
-        limit_val_batches=2,
+        limit_val_batches=0 if args.no_val else 2,
         callbacks=callbacks,
-        enable_checkpointing=bool(args.callbacks),
+        enable_checkpointing=bool(args.callbacks or args.ckpt_dir),
         logger=False,
         enable_progress_bar=False,
         enable_model_summary=False,
@@ -103,6 +147,7 @@ def main() -> None:
         result["test"] = trainer.test(module, verbose=False)[0]["test_loss"]
         preds = trainer.predict(module)
         result["predict"] = [float(x) for p in preds for x in p.reshape(-1)]
+    result["skipped_steps"] = getattr(strategy, "skipped_steps", 0)
     if trainer.is_global_zero:
         Path(args.out).write_text(json.dumps(result))
 

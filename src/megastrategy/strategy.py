@@ -11,10 +11,10 @@ Lifecycle (Lightning calls these in this order):
 """
 from __future__ import annotations
 
+import functools
 import logging
 from datetime import timedelta
-from pathlib import Path
-from typing import Any, Callable, Literal, Mapping, Optional, Union
+from typing import TYPE_CHECKING, Any, Callable, Literal, Mapping, Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -23,17 +23,22 @@ from lightning.pytorch.trainer.states import TrainerFn
 from torch import nn
 
 from megastrategy.batch_broadcast import broadcast_batch
+from megastrategy.ddp import integration as ddp_integration
 from megastrategy.ddp.grad_buffer import DEFAULT_BUCKET_NUMEL, GradientBuffer
-from megastrategy.ddp.grad_clip import clip_grad_norm_
 from megastrategy.errors import MegatronConfigError
 from megastrategy.layers.plan import ResolvedPlan, apply_tp_plan, resolve_tp_plan
 from megastrategy.layers.random import ModelParallelRNGTracker
-from megastrategy.layers.shard_spec import get_shard_spec
 from megastrategy.parallel_state import DEFAULT_ORDER, ParallelLayout, ParallelState
 from megastrategy.pipeline.layer_assignment import assign_layers
 from megastrategy.pipeline.schedules import validate_schedule
 from megastrategy.pipeline.stage import PipelineStage, cut_stage, find_layer_stack
+from megastrategy.precision import install_overflow_agreement, loss_scaler
 from megastrategy.watchdog import FailureWatchdog
+
+if TYPE_CHECKING:
+    import lightning.pytorch as pl
+
+    from megastrategy.pipeline.lightning_step import PipelinedStep
 
 log = logging.getLogger(__name__)
 
@@ -63,6 +68,9 @@ class MegatronStrategy(DDPStrategy):
         detect_anomalies: check gradients for NaN/inf on every rank before each optimizer step.
         on_nonfinite: what a non-finite gradient anywhere does: ``"skip"`` the step on every
             rank, or ``"raise"`` on every rank.
+        use_distributed_optimizer: ZeRO-1: each DP rank keeps fp32 main weights and optimizer
+            state only for its 1/dp slice of the gradient buffer.
+        overlap_grad_reduce: start each bucket's DP reduction during the last backward.
     """
 
     strategy_name = "megatron"
@@ -87,6 +95,8 @@ class MegatronStrategy(DDPStrategy):
         heartbeat_timeout: float = 60.0,
         detect_anomalies: bool = False,
         on_nonfinite: Literal["skip", "raise"] = "raise",
+        use_distributed_optimizer: bool = False,
+        overlap_grad_reduce: bool = False,
         **kwargs: Any,
     ) -> None:
         super().__init__(timeout=timeout, **kwargs)
@@ -128,6 +138,7 @@ class MegatronStrategy(DDPStrategy):
         self.detect_anomalies, self.on_nonfinite = detect_anomalies, on_nonfinite
         self.watchdog: Optional[FailureWatchdog] = None
         self.skipped_steps = 0
+        self.use_distributed_optimizer, self.overlap_grad_reduce = use_distributed_optimizer, overlap_grad_reduce
 
     # ------------------------------------------------------------------ validation & groups
     def _validate_layout(self) -> ParallelLayout:
@@ -225,8 +236,9 @@ class MegatronStrategy(DDPStrategy):
         return self.parallel_state
 
     # ------------------------------------------------------------------ model
-    def setup(self, trainer: "pl.Trainer") -> None:  # noqa: F821
+    def setup(self, trainer: "pl.Trainer") -> None:
         assert self.accelerator is not None and self.model is not None
+        ddp_integration.check_supported(self)
         self.accelerator.setup(trainer)
         ps = self._state()
         module = self.lightning_module
@@ -248,16 +260,14 @@ class MegatronStrategy(DDPStrategy):
         if trainer.state.fn == TrainerFn.FITTING:
             if self.grad_buffer is not None:
                 self.grad_buffer.remove()
-            self.grad_buffer = GradientBuffer(
-                module.parameters(),
-                group=ps.dp_group,
-                grad_reduce_in_fp32=self.grad_reduce_in_fp32,
-                bucket_numel=self.bucket_numel,
-            )
+            self.grad_buffer = ddp_integration.make_grad_buffer(self, module.parameters())
             self.setup_optimizers(trainer)
+            ddp_integration.wrap_optimizers(self)
         self.setup_precision_plugin()
-        # Clipping must see the whole model, not this rank's shards.
+        # Clipping must see the whole model, not this rank's shards; overflow skips are agreed.
         self.precision_plugin.clip_grad_by_norm = self._clip_grad_by_norm
+        self.precision_plugin.clip_grad_by_value = functools.partial(ddp_integration.clip_grad_by_value, self)
+        install_overflow_agreement(self.precision_plugin)
         if trainer.state.fn == TrainerFn.FITTING:
             from lightning.fabric.utilities.optimizer import _optimizers_to_device
 
@@ -304,6 +314,9 @@ class MegatronStrategy(DDPStrategy):
         scale = 1.0
         if step_name == "training_step":
             scale = 1.0 / self.lightning_module.trainer.accumulate_grad_batches
+            scaler = loss_scaler(self.precision_plugin)
+            if scaler is not None:  # the schedule runs backward itself, so it applies the loss scale
+                scale *= scaler.get_scale()
         result = self.pipeline.run(self.lightning_module, step_name, batch, rest, loss_scale=scale)
         if isinstance(result, torch.Tensor):
             result = result.to(self.root_device)
@@ -368,7 +381,8 @@ class MegatronStrategy(DDPStrategy):
         buffer = self.grad_buffer
 
         def closure_then_reduce() -> Any:
-            result = closure()
+            with ddp_integration.last_microbatch(self):
+                result = closure()
             step = self.lightning_module.trainer.global_step if self.lightning_module is not None else "?"
             self._doing(f"gradient reduction and optimizer step {step}")
             if buffer is not None and buffer.has_grads:
@@ -376,8 +390,8 @@ class MegatronStrategy(DDPStrategy):
                     buffer.zero()  # every rank skips (or raises) together
                     return result
                 self._sync_tied_embedding_grads()
-                buffer.reduce()  # once per optimizer step, after every microbatch/accumulation
-                buffer.expose_grads()
+                # once per optimizer step, after every microbatch/accumulation step
+                ddp_integration.finish_grad_sync(self)
             return result
 
         try:
@@ -413,19 +427,9 @@ class MegatronStrategy(DDPStrategy):
             dist.all_reduce(p.main_grad, group=ps.embedding_group)
 
     def _clip_grad_by_norm(self, optimizer, clip_val: Union[int, float]) -> None:
-        ps = self._state()
-        params = [p for group in optimizer.param_groups for p in group["params"]]
-        tp_rank = ps.tp_rank
-        # The last stage's copy of a tied embedding duplicates the first stage's.
-        duplicate = {id(p) for p in self.stage.tied_parameters} if (self.stage and not ps.is_first_stage) else set()
-
-        def counts_here(p: nn.Parameter) -> bool:
-            # Sharded parameters count on every TP rank; replicated ones on one of them.
-            if id(p) in duplicate:
-                return False
-            return get_shard_spec(p) is not None or tp_rank == 0
-
-        clip_grad_norm_(params, float(clip_val), counts_here=counts_here, group=ps.mp_group)
+        """Clip by the true global norm: TP shards and PP stages each once, TP-replicated
+        parameters and the last stage's tied-embedding copy not twice (see ddp.integration)."""
+        ddp_integration.clip_grad_by_norm(self, optimizer, clip_val)
 
     # ------------------------------------------------------------------ collectives for Lightning
     def reduce(self, tensor, group: Optional[Any] = None, reduce_op: Optional[Union[str, Any]] = "mean"):

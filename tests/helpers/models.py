@@ -93,6 +93,9 @@ class BertClassifier(BaseModule):
     def compute_loss(self, batch):
         return self.model(**batch).loss
 
+    def predict_step(self, batch, batch_idx):
+        return self.model(**batch).logits  # per-example outputs, as real prediction code returns
+
 
 class Block(nn.Module):
     def __init__(self, d: int, n_head: int):
@@ -190,4 +193,7 @@ class BertWithMetrics(BertClassifier):
         self.log("val_acc", self.val_acc, on_epoch=True)
 
 
-MODELS = {"bert": BertClassifier, "gpt": GPT, "encoder": EncoderClassifier, "bert-metrics": BertWithMetrics}
+from tests.helpers import moe_models  # noqa: E402  (after BaseModule, which it subclasses)
+
+MODELS = {"bert": BertClassifier, "gpt": GPT, "encoder": EncoderClassifier, "bert-metrics": BertWithMetrics,
+          "moe-gpt": lambda **kw: moe_models.MoEGPT(**kw)}

@@ -67,6 +67,8 @@ def main() -> None:
     p.add_argument("--tp", type=int, default=1)
     p.add_argument("--pp", type=int, default=1)
     p.add_argument("--vp", type=int, default=None)
+    p.add_argument("--ep", type=int, default=1)
+    p.add_argument("--etp", type=int, default=None)
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--optimizer", choices=["adamw", "sgd"], default="adamw")
     p.add_argument("--n-train", type=int, default=64)
@@ -77,19 +79,34 @@ def main() -> None:
     p.add_argument("--fail-step", type=int, default=2)
     p.add_argument("--fail-how", choices=["raise", "kill", "nan"], default="raise")
     p.add_argument("--on-nonfinite", choices=["skip", "raise"], help="MegatronStrategy(detect_anomalies=True, on_nonfinite=...)")
+    p.add_argument("--precision", default="32-true")
     p.add_argument("--heartbeat-timeout", type=float, default=60.0)
     p.add_argument("--callbacks", help="a folder: run the sanity check, ModelCheckpoint(monitor) and EarlyStopping")
     p.add_argument("--ckpt-dir", help="a folder: ModelCheckpoint saves '{epoch}-{step}.ckpt' at every epoch end")
     p.add_argument("--no-val", action="store_true", help="no validation during fit (limit_val_batches=0)")
+    p.add_argument("--test-ckpt", help="after fit: trainer.test(ckpt_path=...) from here (into the trained, sharded module)")
+    p.add_argument("--epochs", type=int, help="stop after this many epochs (max_epochs) instead of after --steps steps")
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--user-plan", action="store_true", help="pass the model's TP_PLAN as tp_plan")
     p.add_argument("--clip", type=float, default=None)
     p.add_argument("--accumulate", type=int, default=1)
+    p.add_argument("--distributed-optimizer", action="store_true", help="MegatronStrategy(use_distributed_optimizer=True)")
+    p.add_argument("--overlap-grad-reduce", action="store_true", help="MegatronStrategy(overlap_grad_reduce=True)")
+    p.add_argument("--bucket-numel", type=int, help="MegatronStrategy(bucket_numel=...)")
+    p.add_argument("--sequence-parallel", action="store_true", help="MegatronStrategy(sequence_parallel=True)")
+    p.add_argument("--recompute", choices=["full", "selective"], help="MegatronStrategy(activation_checkpointing=...)")
+    p.add_argument("--dropout", type=float, help="set p of every nn.Dropout (and nn.MultiheadAttention) of the model")
     args = p.parse_args()
 
     torch.set_num_threads(1)
     L.seed_everything(7, verbose=False)
     module = MODELS[args.model](n_layer=args.layers, optimizer=args.optimizer, n_train=args.n_train)
+    if args.dropout is not None:
+        for m in module.modules():
+            if isinstance(m, torch.nn.Dropout):
+                m.p = args.dropout
+            elif isinstance(m, torch.nn.MultiheadAttention):
+                m.dropout = args.dropout
     if args.strategy == "ddp":
         strategy = DDPStrategy()
     else:
@@ -97,8 +114,17 @@ def main() -> None:
 
         plan = getattr(module, "TP_PLAN", None) if args.user_plan else None
         extra = {"detect_anomalies": True, "on_nonfinite": args.on_nonfinite} if args.on_nonfinite else {}
+        if args.bucket_numel:
+            extra["bucket_numel"] = args.bucket_numel
+        if args.distributed_optimizer or args.overlap_grad_reduce:
+            extra.update(use_distributed_optimizer=args.distributed_optimizer, overlap_grad_reduce=args.overlap_grad_reduce)
+        if args.sequence_parallel or args.recompute:
+            extra.update(sequence_parallel=args.sequence_parallel, activation_checkpointing=args.recompute)
+            # THROWAWAY until MegatronStrategy takes these options itself (make_strategy then returns it).
+            from tests.layers.sp_strategy import make_strategy as MegatronStrategy  # noqa: F811,N813
         strategy = MegatronStrategy(
-            tp=args.tp, pp=args.pp, vp=args.vp, tp_plan=plan, heartbeat_timeout=args.heartbeat_timeout, **extra
+            tp=args.tp, pp=args.pp, vp=args.vp, ep=args.ep, etp=args.etp, tp_plan=plan,
+            heartbeat_timeout=args.heartbeat_timeout, **extra
         )
     rec = Recorder()
     callbacks = [rec]
@@ -123,7 +149,8 @@ def main() -> None:
         accelerator="cpu",
         devices=int(os.environ["WORLD_SIZE"]),
         strategy=strategy,
-        max_steps=args.steps,
+        max_steps=-1 if args.epochs else args.steps,
+        max_epochs=args.epochs,
         val_check_interval=args.steps,
         num_sanity_val_steps=2 if args.callbacks else 0,
         limit_val_batches=0 if args.no_val else 2,
@@ -133,6 +160,7 @@ def main() -> None:
         enable_progress_bar=False,
         enable_model_summary=False,
         gradient_clip_val=args.clip,
+        precision=args.precision,
         accumulate_grad_batches=args.accumulate,
     )
     trainer.fit(module, ckpt_path=args.resume)
@@ -142,6 +170,8 @@ def main() -> None:
         result["best_model_score"] = float(trainer.checkpoint_callback.best_model_score)
     if args.save:
         trainer.save_checkpoint(args.save)
+    if args.test_ckpt:
+        result["test_ckpt"] = trainer.test(module, ckpt_path=args.test_ckpt, verbose=False)[0]["test_loss"]
     if args.eval:
         result["validate"] = trainer.validate(module, verbose=False)[0]["val_loss"]
         result["test"] = trainer.test(module, verbose=False)[0]["test_loss"]

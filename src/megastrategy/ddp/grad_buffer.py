@@ -6,11 +6,30 @@ the parameter dtype). Autograd hooks move each freshly accumulated ``.grad`` int
 so microbatches and gradient-accumulation steps add up in full precision in one place, and the
 data-parallel reduction is one collective per bucket per optimizer step rather than one per
 parameter or per backward.
+
+Two options change how the reduction runs:
+
+``distributed_optimizer=True``
+    every bucket is zero-padded to a multiple of the data-parallel size and split into ``dp``
+    equal contiguous shards; :meth:`GradientBuffer.reduce` *reduce-scatters* each bucket, so
+    that afterwards only this rank's shard (:meth:`GradientBuffer.shard_of`) holds the averaged
+    gradient. That shard is what :class:`~megastrategy.ddp.distributed_optimizer.DistributedOptimizer`
+    updates. With a single bucket the shard is exactly a contiguous ``1/dp`` slice of the buffer.
+
+``overlap_grad_reduce=True``
+    during the backward of the last microbatch before an optimizer step (announced with
+    :meth:`GradientBuffer.set_is_last_microbatch` or :meth:`GradientBuffer.last_microbatch`),
+    the hooks count how many of each bucket's gradients are final; a bucket whose count is
+    complete starts its reduction asynchronously right away, while backward is still computing
+    the earlier layers. :meth:`GradientBuffer.reduce` then starts whatever has not started (a
+    bucket with an unused parameter, a deferred bucket) and waits. The collectives and their
+    order of arithmetic are the same as without overlap, so the results are bit-identical.
 """
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import Iterable, Optional
+from contextlib import contextmanager
+from typing import Iterable, Iterator, Optional
 
 import torch
 import torch.distributed as dist
@@ -18,13 +37,43 @@ from torch import nn
 
 DEFAULT_BUCKET_NUMEL = 40_000_000
 
+# Fused collectives a backend turned down (checked once per process).
+_unsupported: set[str] = set()
+# torch >= 2.13 renamed the fused collectives; older versions have only the old names.
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or getattr(dist, "reduce_scatter_tensor")
+_all_gather_single = getattr(dist, "all_gather_single", None) or getattr(dist, "all_gather_into_tensor")
+
+
+def _is_unsupported_error(err: Exception) -> bool:
+    msg = str(err).lower()
+    return isinstance(err, NotImplementedError) or any(
+        s in msg for s in ("not supported", "unsupported", "does not support", "not implemented")
+    )
+
 
 class _Bucket:
-    __slots__ = ("data", "params")
+    """A contiguous range of one flat buffer whose gradients are reduced by one collective.
 
-    def __init__(self, data: torch.Tensor, params: list[nn.Parameter]):
+    ``data`` is the bucket's view of the flat buffer (padding included); ``ranges`` maps
+    ``id(param)`` to the parameter's ``[start, end)`` inside ``data``.
+    """
+
+    __slots__ = ("data", "params", "ranges", "index", "deferred", "pending", "work", "started", "started_early", "flat_offset")
+
+    def __init__(self, data: torch.Tensor, params: list[nn.Parameter], ranges: dict[int, tuple[int, int]], index: int, flat_offset: int):
         self.data = data
         self.params = params
+        self.ranges = ranges
+        self.index = index
+        self.flat_offset = flat_offset  # where ``data`` starts in its flat buffer
+        self.deferred = False  # holds a parameter whose gradient is changed after backward
+        self.pending = 0  # hook calls still expected before the bucket is final
+        self.work = None  # the async collective in flight
+        self.started = False  # reduction started in this optimizer step
+        self.started_early = False  # ... from a backward hook (overlapped)
+
+    def numel(self) -> int:
+        return self.data.numel()
 
 
 class GradientBuffer:
@@ -35,6 +84,13 @@ class GradientBuffer:
         group: the data-parallel group to average over (``None`` or size 1: no communication).
         grad_reduce_in_fp32: accumulate and reduce in fp32 whatever the parameter dtype.
         bucket_numel: gradients are reduced in buckets of about this many elements.
+        overlap_grad_reduce: start each bucket's reduction asynchronously as soon as its
+            gradients are final in the last microbatch's backward (see the module docstring).
+        distributed_optimizer: pad buckets to a multiple of the data-parallel size and
+            reduce-scatter them, for :class:`~megastrategy.ddp.distributed_optimizer.DistributedOptimizer`.
+        deferred_params: parameters whose gradient is still changed between backward and
+            :meth:`reduce` (e.g. a pipeline's tied embedding, summed over the embedding group);
+            their buckets never start early.
     """
 
     def __init__(
@@ -44,9 +100,16 @@ class GradientBuffer:
         group: Optional[dist.ProcessGroup],
         grad_reduce_in_fp32: bool = True,
         bucket_numel: int = DEFAULT_BUCKET_NUMEL,
+        overlap_grad_reduce: bool = False,
+        distributed_optimizer: bool = False,
+        deferred_params: Iterable[nn.Parameter] = (),
     ) -> None:
         self.group = group
-        self.dp_size = dist.get_world_size(group) if (group is not None and dist.is_initialized()) else 1
+        distributed = group is not None and dist.is_initialized()
+        self.dp_size = dist.get_world_size(group) if distributed else 1
+        self.dp_rank = dist.get_rank(group) if distributed else 0
+        self.overlap_grad_reduce = bool(overlap_grad_reduce)
+        self.distributed_optimizer = bool(distributed_optimizer)
         unique: "OrderedDict[int, nn.Parameter]" = OrderedDict()
         for p in params:
             if p.requires_grad:
@@ -54,64 +117,214 @@ class GradientBuffer:
         self.params = list(unique.values())
         self.buffers: dict[torch.dtype, torch.Tensor] = {}
         self.buckets: list[_Bucket] = []
+        self._bucket_of: dict[int, _Bucket] = {}
         self._hooks = []
         self.has_grads = False
+        self.is_reduced = False  # reduce() has run since the last zero() / backward
+        # overlap bookkeeping
+        self._last_microbatch = False
+        self._backward_passes = 1
+        self._calls: dict[int, int] = {}
+        self.num_early_starts = 0  # buckets whose reduction a backward hook started (cumulative)
 
         by_dtype: "OrderedDict[tuple[torch.dtype, torch.device], list[nn.Parameter]]" = OrderedDict()
         for p in self.params:
             dtype = torch.float32 if grad_reduce_in_fp32 else p.dtype
             by_dtype.setdefault((dtype, p.device), []).append(p)
         for (dtype, device), group_params in by_dtype.items():
-            total = sum(p.numel() for p in group_params)
-            flat = torch.zeros(total, dtype=dtype, device=device)
-            self.buffers[dtype] = flat
-            offset, bucket_start, bucket_params = 0, 0, []
             # Reverse order: the last layers' gradients are ready first in backward.
+            plans: list[list[nn.Parameter]] = []
+            current: list[nn.Parameter] = []
+            size = 0
             for p in reversed(group_params):
-                n = p.numel()
-                p.main_grad = flat[offset : offset + n].view_as(p)
-                offset += n
-                bucket_params.append(p)
-                if offset - bucket_start >= bucket_numel:
-                    self.buckets.append(_Bucket(flat[bucket_start:offset], bucket_params))
-                    bucket_start, bucket_params = offset, []
-            if bucket_params:
-                self.buckets.append(_Bucket(flat[bucket_start:offset], bucket_params))
+                current.append(p)
+                size += p.numel()
+                if size >= bucket_numel:
+                    plans.append(current)
+                    current, size = [], 0
+            if current:
+                plans.append(current)
+            sizes = [self._padded(sum(p.numel() for p in plan)) for plan in plans]
+            flat = torch.zeros(sum(sizes), dtype=dtype, device=device)
+            if dtype in self.buffers:  # same dtype on two devices: keep both reachable
+                self.buffers[(dtype, device)] = flat  # type: ignore[index]
+            else:
+                self.buffers[dtype] = flat
+            start = 0
+            for plan, bucket_size in zip(plans, sizes):
+                ranges: dict[int, tuple[int, int]] = {}
+                offset = 0
+                for p in plan:
+                    n = p.numel()
+                    p.main_grad = flat[start + offset : start + offset + n].view_as(p)
+                    ranges[id(p)] = (offset, offset + n)
+                    offset += n
+                bucket = _Bucket(flat[start : start + bucket_size], plan, ranges, len(self.buckets), start)
+                self.buckets.append(bucket)
+                for p in plan:
+                    self._bucket_of[id(p)] = bucket
+                start += bucket_size
+        deferred = {id(p) for p in deferred_params}
+        for bucket in self.buckets:
+            bucket.deferred = any(id(p) in deferred for p in bucket.params)
         for p in self.params:
             self._hooks.append(p.register_post_accumulate_grad_hook(self._accumulate))
 
-    def _accumulate(self, param: nn.Parameter) -> None:
-        """Move the gradient autograd just produced into ``main_grad`` and free ``.grad``."""
-        param.main_grad.add_(param.grad)
-        param.grad = None
-        self.has_grads = True
+    def _padded(self, n: int) -> int:
+        if not self.distributed_optimizer:
+            return n
+        return -(-n // self.dp_size) * self.dp_size
 
+    # ------------------------------------------------------------------ layout
     @property
     def numel(self) -> int:
         return sum(b.numel() for b in self.buffers.values())
 
-    def reduce(self) -> None:
-        """Average the accumulated gradients over the data-parallel group, one collective per bucket."""
-        if self.dp_size == 1:
-            return
+    def bucket_of(self, param: nn.Parameter) -> _Bucket:
+        return self._bucket_of[id(param)]
+
+    def shard_range(self, bucket: _Bucket, rank: Optional[int] = None) -> tuple[int, int]:
+        """``[start, end)`` inside ``bucket.data`` of ``rank``'s shard (this rank by default)."""
+        rank = self.dp_rank if rank is None else rank
+        if not self.distributed_optimizer:
+            return (0, bucket.numel()) if rank == self.dp_rank or self.dp_size == 1 else (0, 0)
+        size = bucket.numel() // self.dp_size
+        return rank * size, (rank + 1) * size
+
+    def shard_of(self, bucket: _Bucket) -> torch.Tensor:
+        """This rank's shard of ``bucket`` (after :meth:`reduce`: the averaged gradient)."""
+        lo, hi = self.shard_range(bucket)
+        return bucket.data[lo:hi]
+
+    # ------------------------------------------------------------------ backward
+    def set_is_last_microbatch(self, flag: bool, backward_passes: int = 1) -> None:
+        """Announce that the coming backward pass(es) are the last before :meth:`reduce`.
+
+        With ``overlap_grad_reduce``, while the flag is set each parameter's hook counts;
+        a bucket starts its reduction after each of its parameters received
+        ``backward_passes`` gradients (``num_microbatches`` under pipeline parallelism, where
+        every microbatch of the step runs its backward inside one training step).
+        """
+        if backward_passes < 1:
+            raise ValueError(f"backward_passes={backward_passes} must be >= 1")
+        if flag and not self._last_microbatch:
+            if any(b.started for b in self.buckets):
+                raise RuntimeError(
+                    "GradientBuffer: a new last microbatch began while the previous one's reduction is still "
+                    "in flight; call reduce() (or zero()) once per optimizer step."
+                )
+            self._reset_counts(backward_passes)
+        self._last_microbatch = bool(flag)
+        self._backward_passes = backward_passes
+
+    @contextmanager
+    def last_microbatch(self, backward_passes: int = 1) -> Iterator["GradientBuffer"]:
+        """``with buffer.last_microbatch(): closure()``: see :meth:`set_is_last_microbatch`."""
+        self.set_is_last_microbatch(True, backward_passes)
+        try:
+            yield self
+        finally:
+            self.set_is_last_microbatch(False, backward_passes)
+
+    def _reset_counts(self, backward_passes: int) -> None:
+        self._calls.clear()
         for bucket in self.buckets:
-            bucket.data.div_(self.dp_size)
-            dist.all_reduce(bucket.data, group=self.group)
+            bucket.pending = len(bucket.params) * backward_passes
+            bucket.started = bucket.started_early = False
+            bucket.work = None
+
+    def _accumulate(self, param: nn.Parameter) -> None:
+        """Move the gradient autograd just produced into ``main_grad`` and free ``.grad``."""
+        bucket = self._bucket_of[id(param)] if self.overlap_grad_reduce else None
+        if bucket is not None and bucket.started:
+            raise RuntimeError(
+                f"overlap_grad_reduce: a parameter of shape {tuple(param.shape)} received a gradient after "
+                f"the reduction of its bucket {bucket.index} had started (more backward passes in the last "
+                f"microbatch than the {self._backward_passes} announced); pass the right backward_passes "
+                "to set_is_last_microbatch or disable overlap_grad_reduce."
+            )
+        param.main_grad.add_(param.grad)
+        param.grad = None
+        self.has_grads = True
+        self.is_reduced = False
+        if bucket is None or not self._last_microbatch:
+            return
+        calls = self._calls.get(id(param), 0) + 1
+        self._calls[id(param)] = calls
+        if calls > self._backward_passes:
+            return  # more passes than announced; its bucket has not started (checked above)
+        bucket.pending -= 1
+        if bucket.pending == 0 and not bucket.deferred and self.dp_size > 1:
+            self._start(bucket, async_op=True)
+            bucket.started_early = True
+            self.num_early_starts += 1
+
+    # ------------------------------------------------------------------ reduction
+    def _start(self, bucket: _Bucket, *, async_op: bool) -> None:
+        """Average ``bucket`` over the group: all-reduce, or reduce-scatter into this rank's shard."""
+        bucket.started = True
+        bucket.data.div_(self.dp_size)
+        if self.distributed_optimizer and "reduce_scatter" not in _unsupported:
+            try:
+                bucket.work = _reduce_scatter_single(
+                    self.shard_of(bucket), bucket.data, op=dist.ReduceOp.SUM, group=self.group, async_op=async_op
+                )
+                return
+            except (RuntimeError, NotImplementedError) as err:
+                if not _is_unsupported_error(err):
+                    raise
+                _unsupported.add("reduce_scatter")
+        # all-reduce (also the fallback for a backend without reduce-scatter: every shard is valid)
+        bucket.work = dist.all_reduce(bucket.data, group=self.group, async_op=async_op)
+
+    def _wait_all(self) -> None:
+        for bucket in self.buckets:
+            if bucket.work is not None:
+                bucket.work.wait()
+                bucket.work = None
+
+    def reduce(self) -> None:
+        """Average the accumulated gradients over the data-parallel group, one collective per bucket.
+
+        With ``distributed_optimizer`` only this rank's shard of each bucket is reduced. With
+        ``overlap_grad_reduce`` the buckets already started in backward are only waited for.
+        """
+        if self.dp_size > 1:
+            if self.overlap_grad_reduce:
+                for bucket in self.buckets:
+                    if not bucket.started:
+                        self._start(bucket, async_op=True)
+                self._wait_all()
+            else:
+                for bucket in self.buckets:
+                    self._start(bucket, async_op=False)
+                    bucket.work = None
+        self._reset_counts(self._backward_passes)
+        self.is_reduced = True
 
     def expose_grads(self) -> None:
         """Point ``param.grad`` at the reduced gradient so optimizers and clipping see it."""
+        if self.distributed_optimizer and self.dp_size > 1:
+            raise RuntimeError(
+                "GradientBuffer(distributed_optimizer=True) reduces only this rank's shard of each bucket; "
+                "whole gradients do not exist. Step a DistributedOptimizer instead of exposing grads."
+            )
         for p in self.params:
             p.grad = p.main_grad if p.main_grad.dtype == p.dtype else p.main_grad.to(p.dtype)
 
     def zero(self) -> None:
         """Start a new optimizer step: clear the buffer and drop ``.grad`` references."""
+        self._wait_all()  # nothing may still write into the buffer
         for flat in self.buffers.values():
             flat.zero_()
         for p in self.params:
             p.grad = None
         self.has_grads = False
+        self.is_reduced = False
+        self._reset_counts(self._backward_passes)
 
     def remove(self) -> None:
+        self._wait_all()
         for h in self._hooks:
             h.remove()
         self._hooks.clear()

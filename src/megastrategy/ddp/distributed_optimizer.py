@@ -1,0 +1,525 @@
+"""A ZeRO-1 distributed optimizer over the contiguous gradient buffer.
+
+Every data-parallel rank owns one contiguous shard of each gradient bucket (the buckets of a
+:class:`~megastrategy.ddp.grad_buffer.GradientBuffer` built with ``distributed_optimizer=True``
+are padded to a multiple of ``dp``). After :meth:`GradientBuffer.reduce` has reduce-scattered the
+gradients, only the owned shards hold averaged gradients, and only they are updated here:
+
+* the user's optimizer (whatever ``configure_optimizers`` returned: AdamW, SGD, ...) is rebuilt,
+  with the same class, hyperparameters and parameter groups, over fp32 *main weights* of the
+  owned pieces only, so its state (Adam's moments, SGD's momentum) takes ``1/dp`` of the memory;
+  a parameter that straddles a shard boundary contributes one piece to each owning rank;
+* :meth:`DistributedOptimizer.step` updates the owned pieces, then every rank all-gathers the
+  updated values of each bucket and copies them into the model's parameters.
+
+Main weights of contiguous fp32 parameters are views of the parameters themselves (updated in
+place, no extra memory); other parameters (bf16, fp16, non-contiguous) get fp32 copies.
+
+The object stays a ``torch.optim.Optimizer`` for Lightning: ``param_groups`` IS the user
+optimizer's list (same dicts), so LR schedulers created on the user's optimizer keep working and
+their changes reach the rebuilt optimizer at every step; ``state_dict()`` returns the ordinary
+torch format over the model's parameters (a collective over the data-parallel group: the owned
+pieces are gathered), so every checkpoint writer that understands a plain optimizer, including
+the resharding DCP checkpoints of :mod:`megastrategy.checkpoint`, works unchanged and a checkpoint
+loads on any data-parallel size, with or without the distributed optimizer.
+:meth:`DistributedOptimizer.sharded_state_dict` is the communication-free alternative (owned
+pieces plus the metadata to reassemble them; :func:`merge_sharded_state_dicts`).
+
+Gradient clipping must use the true global norm: :meth:`DistributedOptimizer.grad_norm` sums
+the owned pieces' squares, then over the data-parallel group and over the model-parallel group;
+``counts_here`` excludes the copies that must count once (TP-replicated parameters on TP ranks
+other than 0, the last pipeline stage's tied embedding), as in :func:`~megastrategy.ddp.grad_clip.global_grad_norm`.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any, Callable, Iterable, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from megastrategy.ddp.grad_buffer import GradientBuffer, _all_gather_single, _is_unsupported_error, _unsupported
+
+__all__ = ["DistributedOptimizer", "merge_sharded_state_dicts", "SHARDED_FORMAT"]
+
+SHARDED_FORMAT = "megastrategy-zero1-v1"
+
+
+class _Piece:
+    """The part ``[lo, hi)`` of ``param.view(-1)`` this rank owns, its main weight and gradient."""
+
+    __slots__ = ("param", "index", "lo", "hi", "bucket", "shard_lo", "main", "is_view", "param_ptr")
+
+    def __init__(self, param: nn.Parameter, index: int, lo: int, hi: int, bucket, shard_lo: int):
+        self.param, self.index, self.lo, self.hi = param, index, lo, hi
+        self.bucket, self.shard_lo = bucket, shard_lo  # shard_lo: offset inside this rank's shard
+        whole = lo == 0 and hi == param.numel()
+        self.param_ptr = param.data_ptr()
+        if param.dtype == torch.float32 and param.is_contiguous():
+            flat = param.detach().view(-1)[lo:hi]
+            self.main = flat.view_as(param) if whole else flat  # updated in place: no copy, no memory
+            self.is_view = True
+        else:
+            flat = param.detach().reshape(-1)[lo:hi].to(torch.float32, copy=True)
+            self.main = flat.view_as(param) if whole else flat
+            self.is_view = False
+
+    @property
+    def numel(self) -> int:
+        return self.hi - self.lo
+
+    def grad(self, buffer: GradientBuffer) -> Tensor:
+        """This piece's reduced gradient: a view into the gradient buffer (main's shape)."""
+        start = buffer.shard_range(self.bucket)[0] + self.shard_lo
+        return self.bucket.data[start : start + self.numel].view(self.main.shape)
+
+
+def _elementwise(value: Any, like: Tensor) -> bool:
+    return isinstance(value, Tensor) and value.dim() > 0 and value.shape == like.shape
+
+
+def _portable(value: Any) -> Any:
+    return value.detach().cpu() if isinstance(value, Tensor) else value
+
+
+class DistributedOptimizer(torch.optim.Optimizer):
+    """``optimizer`` rebuilt over this data-parallel rank's shards of ``buffer`` (ZeRO-1).
+
+    Args:
+        optimizer: the user's optimizer, as ``configure_optimizers`` returned it (not stepped;
+            its ``param_groups`` become this optimizer's ``param_groups``).
+        buffer: the gradient buffer holding every parameter of ``optimizer`` that requires
+            grad, built with ``distributed_optimizer=True`` (any buffer when ``dp == 1``).
+
+    ``step()`` expects ``buffer.reduce()`` to have run since the last backward; it does nothing
+    (but run the closure) when no gradient was accumulated, like a torch optimizer whose
+    parameters have no ``.grad``.
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer, buffer: GradientBuffer) -> None:
+        if isinstance(optimizer, DistributedOptimizer):
+            raise TypeError("DistributedOptimizer: the optimizer is already distributed.")
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError(f"DistributedOptimizer needs a torch.optim.Optimizer, got {type(optimizer).__name__}.")
+        if buffer.dp_size > 1 and not buffer.distributed_optimizer:
+            raise ValueError(
+                "DistributedOptimizer needs a GradientBuffer built with distributed_optimizer=True "
+                "(buckets padded to a multiple of the data-parallel size and reduce-scattered)."
+            )
+        if optimizer.state:
+            raise ValueError(
+                "DistributedOptimizer: the optimizer already has state; wrap it before its first step "
+                "(load a checkpoint with load_state_dict afterwards)."
+            )
+        self._building = True
+        super().__init__(optimizer.param_groups, optimizer.defaults)
+        self._building = False
+        self.param_groups = optimizer.param_groups  # the SAME list and dicts: schedulers drive us
+        self.user_optimizer = optimizer
+        self.buffer = buffer
+        self._pieces: list[_Piece] = []
+        self._group_pieces: list[list[_Piece]] = []
+        self._indexed: list[nn.Parameter] = []  # the flat parameter list torch's state_dict numbers
+        self._in_buffer: dict[int, list[tuple[int, nn.Parameter]]] = {}  # bucket index -> [(index, param)]
+        for group in self.param_groups:
+            self._group_pieces.append(self._add_params(group["params"]))
+        inner_groups = [
+            {**self._hyper(group), "params": [piece.main for piece in pieces]}
+            for group, pieces in zip(self.param_groups, self._group_pieces)
+        ]
+        self.shard_optimizer = self._rebuild(type(optimizer), inner_groups, optimizer.defaults)
+
+    # ------------------------------------------------------------------ construction
+    @staticmethod
+    def _hyper(group: dict) -> dict:
+        return {k: v for k, v in group.items() if k != "params"}
+
+    @staticmethod
+    def _rebuild(cls: type, groups: list[dict], defaults: dict) -> torch.optim.Optimizer:
+        try:
+            return cls(groups, **defaults)
+        except TypeError as first:
+            try:
+                return cls(groups)
+            except TypeError:
+                raise TypeError(
+                    f"DistributedOptimizer cannot rebuild {cls.__name__} over the owned shards: "
+                    f"{cls.__name__}(param_groups, **defaults) failed with {first}. Its constructor must "
+                    "accept parameter groups and its `defaults` as keyword arguments (every torch.optim "
+                    "optimizer does)."
+                ) from first
+
+    def _add_params(self, params: Iterable[nn.Parameter]) -> list[_Piece]:
+        pieces: list[_Piece] = []
+        buffer = self.buffer
+        for p in params:
+            index = len(self._indexed)
+            self._indexed.append(p)
+            if id(p) not in buffer._bucket_of:
+                if p.requires_grad:
+                    raise ValueError(
+                        f"DistributedOptimizer: a parameter of shape {tuple(p.shape)} is in the optimizer but "
+                        "not in the gradient buffer (the buffer is built from the module's trainable "
+                        "parameters when training starts)."
+                    )
+                continue  # frozen: never has a gradient, never updated (as in torch)
+            bucket = buffer.bucket_of(p)
+            self._in_buffer.setdefault(bucket.index, []).append((index, p))
+            start, end = bucket.ranges[id(p)]
+            s0, s1 = buffer.shard_range(bucket)
+            lo, hi = max(start, s0), min(end, s1)
+            if lo < hi:
+                pieces.append(_Piece(p, index, lo - start, hi - start, bucket, lo - s0))
+        self._pieces.extend(pieces)
+        return pieces
+
+    def add_param_group(self, param_group: dict) -> None:
+        if self.__dict__.get("_building", True):
+            return super().add_param_group(param_group)  # torch's constructor registering the groups
+        super().add_param_group(param_group)  # checks, defaults; appends to the shared list
+        group = self.param_groups[-1]
+        pieces = self._add_params(group["params"])
+        self._group_pieces.append(pieces)
+        self.shard_optimizer.add_param_group({**self._hyper(group), "params": [piece.main for piece in pieces]})
+
+    # ------------------------------------------------------------------ torch.optim.Optimizer surface
+    @property
+    def state(self):  # type: ignore[override]
+        """The rebuilt optimizer's state, keyed by main-weight pieces (what Lightning moves to device)."""
+        inner = self.__dict__.get("shard_optimizer")
+        return inner.state if inner is not None else self.__dict__.get("_initial_state", {})
+
+    @state.setter
+    def state(self, value) -> None:
+        inner = self.__dict__.get("shard_optimizer")
+        if inner is None:
+            self.__dict__["_initial_state"] = value  # torch's constructor
+        else:
+            inner.state = value
+
+    @property
+    def dp_group(self):
+        return self.buffer.group
+
+    def _sync_hyperparameters(self) -> None:
+        inner = self.shard_optimizer.param_groups
+        if len(inner) != len(self.param_groups):
+            raise RuntimeError(
+                f"DistributedOptimizer: {len(self.param_groups)} parameter groups but {len(inner)} rebuilt; "
+                "add groups through this optimizer's add_param_group."
+            )
+        for outer, group in zip(self.param_groups, inner):
+            for key, value in outer.items():
+                if key != "params":
+                    group[key] = value
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Gradients live in the buffer (cleared by ``buffer.zero()``); drop any ``.grad`` left."""
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    if set_to_none:
+                        p.grad = None
+                    else:
+                        p.grad.detach_().zero_()
+        for piece in self._pieces:
+            piece.main.grad = None
+
+    @torch.no_grad()
+    def step(self, closure: Optional[Callable[[], Any]] = None) -> Any:
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self.user_optimizer._opt_called = True  # what torch's LR schedulers check on the user's optimizer
+        buffer = self.buffer
+        if not buffer.has_grads:
+            return loss  # no backward since the last zero() (or a skipped step): nothing to apply
+        if not buffer.is_reduced:
+            raise RuntimeError(
+                "DistributedOptimizer.step(): the gradients have not been reduced; call buffer.reduce() "
+                "after the last backward and before step()."
+            )
+        self._sync_hyperparameters()
+        for piece in self._pieces:
+            if piece.is_view and piece.param.data_ptr() != piece.param_ptr:
+                raise RuntimeError(
+                    "DistributedOptimizer: a parameter's storage was replaced (param.data = ... or a device "
+                    "move) after the optimizer was built; rebuild the optimizer."
+                )
+            grad = piece.grad(buffer)
+            piece.main.grad = grad if grad.dtype == torch.float32 else grad.float()
+        self.shard_optimizer.step()
+        for piece in self._pieces:
+            piece.main.grad = None
+        self._gather_params()
+        return loss
+
+    # ------------------------------------------------------------------ parameters
+    def _buckets(self):
+        return [self.buffer.buckets[i] for i in sorted(self._in_buffer)]
+
+    def _pieces_in(self, bucket) -> list[_Piece]:
+        return [piece for piece in self._pieces if piece.bucket is bucket]
+
+    def _all_gather(self, shard: Tensor, numel: int) -> Tensor:
+        """Concatenate every data-parallel rank's ``shard`` (equal sizes) into one flat tensor."""
+        buffer = self.buffer
+        if buffer.dp_size == 1:
+            return shard
+        full = torch.empty(numel, dtype=shard.dtype, device=shard.device)
+        if "all_gather" not in _unsupported:
+            try:
+                _all_gather_single(full, shard, group=buffer.group)
+                return full
+            except (RuntimeError, NotImplementedError) as err:
+                if not _is_unsupported_error(err):
+                    raise
+                _unsupported.add("all_gather")
+        dist.all_gather(list(full.chunk(buffer.dp_size)), shard, group=buffer.group)
+        return full
+
+    def _gather_params(self) -> None:
+        """Every rank's updated pieces into every rank's parameters, one all-gather per bucket."""
+        buffer = self.buffer
+        for bucket in self._buckets():
+            s0, s1 = buffer.shard_range(bucket)
+            shard = torch.zeros(s1 - s0, dtype=bucket.data.dtype, device=bucket.data.device)
+            for piece in self._pieces_in(bucket):
+                shard[piece.shard_lo : piece.shard_lo + piece.numel].copy_(piece.main.reshape(-1))
+            full = self._all_gather(shard, bucket.numel())
+            for _, p in self._in_buffer[bucket.index]:
+                start, end = bucket.ranges[id(p)]
+                p.copy_(full[start:end].view(p.shape))
+
+    def reload_main_params(self) -> None:
+        """Copy the model's current parameters into the fp32 main copies (after changing the
+        parameters outside the optimizer, e.g. loading weights into the module in place)."""
+        with torch.no_grad():
+            for piece in self._pieces:
+                if not piece.is_view:
+                    piece.main.copy_(piece.param.detach().reshape(-1)[piece.lo : piece.hi].view(piece.main.shape))
+
+    # ------------------------------------------------------------------ clipping
+    def grad_norm(
+        self,
+        *,
+        counts_here: Optional[Callable[[nn.Parameter], bool]] = None,
+        model_parallel_group: Optional[dist.ProcessGroup] = None,
+        norm_type: float = 2.0,
+    ) -> Tensor:
+        """The norm of the whole model's gradient from the owned shards (collective).
+
+        Sums ``|g|^p`` of the owned pieces whose parameter ``counts_here``, over the
+        data-parallel group, then over ``model_parallel_group`` (tensor x pipeline ranks).
+        """
+        counts = counts_here or (lambda p: True)
+        grads = [piece.grad(self.buffer) for piece in self._pieces if counts(piece.param)]
+        device = self.buffer.params[0].main_grad.device if self.buffer.params else torch.device("cpu")
+        groups = [g for g in (self.buffer.group if self.buffer.dp_size > 1 else None, model_parallel_group) if g is not None]
+        norm_type = float(norm_type)
+        if norm_type == math.inf:
+            local = torch.zeros((), dtype=torch.float32, device=device)
+            for g in grads:
+                local = torch.maximum(local, g.detach().abs().max().float())
+            if dist.is_initialized():
+                for group in groups:
+                    dist.all_reduce(local, op=dist.ReduceOp.MAX, group=group)
+            return local
+        local = torch.zeros((), dtype=torch.float32, device=device)
+        for g in grads:
+            local += g.detach().float().norm(norm_type) ** norm_type
+        if dist.is_initialized():
+            for group in groups:
+                dist.all_reduce(local, group=group)
+        return local ** (1.0 / norm_type)
+
+    def clip_grad_norm_(
+        self,
+        max_norm: float,
+        *,
+        counts_here: Optional[Callable[[nn.Parameter], bool]] = None,
+        model_parallel_group: Optional[dist.ProcessGroup] = None,
+        norm_type: float = 2.0,
+    ) -> Tensor:
+        """Scale the owned gradients so that the global norm is at most ``max_norm``; returns the
+        norm before clipping (same formula as :func:`torch.nn.utils.clip_grad_norm_`)."""
+        total = self.grad_norm(counts_here=counts_here, model_parallel_group=model_parallel_group, norm_type=norm_type)
+        coef = (float(max_norm) / (total + 1e-6)).clamp(max=1.0)
+        for piece in self._pieces:
+            g = piece.grad(self.buffer)
+            g.mul_(coef.to(g.device, g.dtype))
+        return total
+
+    def clip_grad_value_(self, clip_value: float) -> None:
+        """Clamp the owned gradients to ``[-clip_value, clip_value]`` (elementwise: no communication)."""
+        for piece in self._pieces:
+            piece.grad(self.buffer).clamp_(-float(clip_value), float(clip_value))
+
+    # ------------------------------------------------------------------ state
+    def _torch_groups(self) -> list[dict]:
+        groups, start = [], 0
+        for group in self.param_groups:
+            n = len(group["params"])
+            groups.append({**self._hyper(group), "params": list(range(start, start + n))})
+            start += n
+        return groups
+
+    def state_dict(self) -> dict[str, Any]:  # type: ignore[override]
+        """The torch-format state over the model's parameters, whole (collective over DP).
+
+        Exactly what the user's optimizer would return had it been stepped on every rank: state
+        tensors have their parameter's shape, ``param_groups`` number the parameters in order.
+        """
+        self._sync_hyperparameters()
+        inner_state = self.shard_optimizer.state
+        objects: dict[int, dict[str, Any]] = {}
+        elementwise: dict[int, dict[str, torch.dtype]] = {}
+        for piece in self._pieces:
+            for key, value in inner_state.get(piece.main, {}).items():
+                if _elementwise(value, piece.main):
+                    elementwise.setdefault(piece.index, {})[key] = value.dtype
+                elif piece.lo == 0:  # other values: from the rank owning the parameter's first element
+                    objects.setdefault(piece.index, {})[key] = _portable(value)
+        if self.buffer.dp_size > 1:
+            everyone: list[Any] = [None] * self.buffer.dp_size
+            dist.all_gather_object(everyone, (objects, elementwise), group=self.buffer.group)
+            objects, elementwise = {}, {}
+            for objs, elems in everyone:
+                for index, values in objs.items():
+                    objects.setdefault(index, {}).update(values)
+                for index, keys in elems.items():
+                    elementwise.setdefault(index, {}).update(keys)
+        state: dict[int, dict[str, Any]] = {}
+        for index in sorted(set(objects) | set(elementwise)):
+            state[index] = dict(objects.get(index, {}))
+        for bucket in self._buckets():  # the same buckets and keys in the same order on every rank
+            members = [(i, p) for i, p in self._in_buffer[bucket.index] if i in elementwise]
+            keys = sorted({(k, dt) for i, _ in members for k, dt in elementwise[i].items()}, key=lambda kd: (kd[0], str(kd[1])))
+            s0, s1 = self.buffer.shard_range(bucket)
+            for key, dtype in keys:
+                shard = torch.zeros(s1 - s0, dtype=dtype, device=bucket.data.device)
+                for piece in self._pieces_in(bucket):
+                    value = inner_state.get(piece.main, {}).get(key)
+                    if _elementwise(value, piece.main):
+                        shard[piece.shard_lo : piece.shard_lo + piece.numel].copy_(value.reshape(-1))
+                full = self._all_gather(shard, bucket.numel())
+                for i, p in members:
+                    if key in elementwise[i]:
+                        start, end = bucket.ranges[id(p)]
+                        state[i][key] = full[start:end].view(p.shape).clone()
+        return {"state": state, "param_groups": self._torch_groups()}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:  # type: ignore[override]
+        """Load a torch-format state (from :meth:`state_dict`, or from the user's optimizer on any
+        number of ranks): each rank keeps its pieces. No communication."""
+        saved_groups = state_dict["param_groups"]
+        if len(saved_groups) != len(self.param_groups):
+            raise ValueError(
+                f"optimizer state has {len(saved_groups)} parameter groups, the optimizer {len(self.param_groups)}."
+            )
+        saved_index: dict[int, Any] = {}  # our flat index -> the saved state's key
+        position = 0
+        for saved, group in zip(saved_groups, self.param_groups):
+            if len(saved["params"]) != len(group["params"]):
+                raise ValueError(
+                    f"a parameter group has {len(saved['params'])} parameters in the optimizer state, "
+                    f"{len(group['params'])} in the optimizer."
+                )
+            for key in saved["params"]:
+                saved_index[position] = key
+                position += 1
+        saved_state = state_dict.get("state", {})
+        by_int = {int(k): v for k, v in saved_state.items()}
+        inner_state: dict[int, dict[str, Any]] = {}
+        inner_position = 0
+        for pieces in self._group_pieces:
+            for piece in pieces:
+                values = by_int.get(int(saved_index[piece.index]))
+                if values:
+                    out: dict[str, Any] = {}
+                    for key, value in values.items():
+                        if _elementwise(value, piece.param):
+                            out[key] = value.reshape(-1)[piece.lo : piece.hi].reshape(piece.main.shape).clone()
+                        elif isinstance(value, Tensor):
+                            out[key] = value.clone()  # pieces must not share e.g. Adam's step counter
+                        else:
+                            out[key] = value
+                    inner_state[inner_position] = out
+                inner_position += 1
+        for saved, group in zip(saved_groups, self.param_groups):
+            group.update({k: v for k, v in saved.items() if k != "params"})  # in place: schedulers see it
+        inner_groups = []
+        start = 0
+        for group, pieces in zip(self.param_groups, self._group_pieces):
+            inner_groups.append({**self._hyper(group), "params": list(range(start, start + len(pieces)))})
+            start += len(pieces)
+        self.shard_optimizer.load_state_dict({"state": inner_state, "param_groups": inner_groups})
+
+    def sharded_state_dict(self) -> dict[str, Any]:
+        """This rank's pieces of the state and the metadata to reassemble them (no communication).
+
+        ``merge_sharded_state_dicts([every rank's sharded_state_dict()])`` is :meth:`state_dict`;
+        :meth:`load_sharded_state_dict` loads such a list on any data-parallel size.
+        """
+        self._sync_hyperparameters()
+        inner_state = self.shard_optimizer.state
+        return {
+            "format": SHARDED_FORMAT,
+            "dp_rank": self.buffer.dp_rank,
+            "dp_size": self.buffer.dp_size,
+            "param_groups": self._torch_groups(),
+            "params": {
+                i: tuple(p.shape) for members in self._in_buffer.values() for i, p in members
+            },
+            "pieces": [
+                {
+                    "index": piece.index,
+                    "lo": piece.lo,
+                    "hi": piece.hi,
+                    "state": {k: (v.detach().clone() if isinstance(v, Tensor) else v) for k, v in inner_state.get(piece.main, {}).items()},
+                }
+                for piece in self._pieces
+            ],
+        }
+
+    def load_sharded_state_dict(self, shards: Sequence[dict[str, Any]]) -> None:
+        """Load every rank's :meth:`sharded_state_dict` (saved on any data-parallel size)."""
+        self.load_state_dict(merge_sharded_state_dicts(shards))
+
+
+def merge_sharded_state_dicts(shards: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """The torch-format optimizer state from all ranks' :meth:`DistributedOptimizer.sharded_state_dict`."""
+    if not shards:
+        raise ValueError("merge_sharded_state_dicts needs the shards of every data-parallel rank")
+    for shard in shards:
+        if shard.get("format") != SHARDED_FORMAT:
+            raise ValueError(f"not a {SHARDED_FORMAT} optimizer shard: format={shard.get('format')!r}")
+    sizes = {shard["dp_size"] for shard in shards}
+    ranks = sorted(shard["dp_rank"] for shard in shards)
+    if len(sizes) != 1 or ranks != list(range(next(iter(sizes)))):
+        raise ValueError(f"need one shard per data-parallel rank; got ranks {ranks} of sizes {sorted(sizes)}")
+    shapes = shards[0]["params"]
+    state: dict[int, dict[str, Any]] = {}
+    filled: dict[tuple[int, str], int] = {}
+    for shard in shards:
+        for piece in shard["pieces"]:
+            index, lo, hi = piece["index"], piece["lo"], piece["hi"]
+            numel = math.prod(shapes[index])
+            entry = state.setdefault(index, {})
+            for key, value in piece["state"].items():
+                if isinstance(value, Tensor) and value.dim() > 0 and value.numel() == hi - lo:
+                    full = entry.get(key)
+                    if full is None:
+                        full = entry[key] = torch.zeros(numel, dtype=value.dtype, device=value.device)
+                    full[lo:hi] = value.reshape(-1)
+                    filled[(index, key)] = filled.get((index, key), 0) + hi - lo
+                elif lo == 0:
+                    entry[key] = value
+    for (index, key), count in filled.items():
+        shape = shapes[index]
+        if count != math.prod(shape):
+            raise ValueError(f"optimizer state {key!r} of parameter #{index}: the shards cover {count} of {math.prod(shape)} elements")
+        state[index][key] = state[index][key].view(shape)
+    return {"state": state, "param_groups": [dict(g) for g in shards[0]["param_groups"]]}

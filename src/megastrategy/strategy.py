@@ -28,6 +28,14 @@ from megastrategy.ddp.grad_buffer import DEFAULT_BUCKET_NUMEL, GradientBuffer
 from megastrategy.errors import MegatronConfigError
 from megastrategy.layers.plan import ResolvedPlan, apply_tp_plan, resolve_tp_plan
 from megastrategy.layers.random import ModelParallelRNGTracker
+from megastrategy.layers.recompute import apply_activation_checkpointing, validate_recompute_mode
+from megastrategy.layers.sequence_parallel import (
+    allreduce_sequence_parallel_grads,
+    check_sequence_parallel_support,
+    enable_sequence_parallel,
+    sequence_parallel_grad_params,
+    validate_sequence_parallel,
+)
 from megastrategy.parallel_state import DEFAULT_ORDER, ParallelLayout, ParallelState
 from megastrategy.pipeline.layer_assignment import assign_layers
 from megastrategy.pipeline.schedules import validate_schedule
@@ -71,6 +79,9 @@ class MegatronStrategy(DDPStrategy):
         use_distributed_optimizer: ZeRO-1: each DP rank keeps fp32 main weights and optimizer
             state only for its 1/dp slice of the gradient buffer.
         overlap_grad_reduce: start each bucket's DP reduction during the last backward.
+        sequence_parallel: split LayerNorm/dropout regions along the sequence over TP ranks.
+        activation_checkpointing: ``"full"`` recomputes each block, ``"selective"`` the attention
+            core; both replay the dropout streams exactly.
     """
 
     strategy_name = "megatron"
@@ -97,6 +108,8 @@ class MegatronStrategy(DDPStrategy):
         on_nonfinite: Literal["skip", "raise"] = "raise",
         use_distributed_optimizer: bool = False,
         overlap_grad_reduce: bool = False,
+        sequence_parallel: bool = False,
+        activation_checkpointing: Optional[Literal["full", "selective"]] = None,
         **kwargs: Any,
     ) -> None:
         super().__init__(timeout=timeout, **kwargs)
@@ -139,6 +152,10 @@ class MegatronStrategy(DDPStrategy):
         self.watchdog: Optional[FailureWatchdog] = None
         self.skipped_steps = 0
         self.use_distributed_optimizer, self.overlap_grad_reduce = use_distributed_optimizer, overlap_grad_reduce
+        validate_sequence_parallel(tp=tp, sequence_parallel=sequence_parallel)
+        validate_recompute_mode(activation_checkpointing)
+        self.sequence_parallel, self.activation_checkpointing = sequence_parallel, activation_checkpointing
+        self._sp_params: list = []
 
     # ------------------------------------------------------------------ validation & groups
     def _validate_layout(self) -> ParallelLayout:
@@ -160,6 +177,8 @@ class MegatronStrategy(DDPStrategy):
         if not any(True for _ in module.parameters()):
             return  # built in configure_model(); resolved in setup()
         self.resolved_plan = resolve_tp_plan(module, self.tp_plan, self.tp)
+        if self.sequence_parallel:
+            check_sequence_parallel_support(module, self.pipeline_layers)
         self._check_pipeline(module)
 
     def _check_pipeline(self, module: nn.Module) -> None:
@@ -251,6 +270,14 @@ class MegatronStrategy(DDPStrategy):
             self.rng_tracker.seed(torch.initial_seed())
             if self.tp > 1:
                 apply_tp_plan(module, self.resolved_plan, group=ps.tp_group, rng_tracker=self.rng_tracker)
+            if self.sequence_parallel:
+                enable_sequence_parallel(
+                    module, self.resolved_plan, tp_group=ps.tp_group,
+                    pipeline_layers=self.pipeline_layers, rng_tracker=self.rng_tracker,
+                )
+            apply_activation_checkpointing(
+                module, self.activation_checkpointing, rng_tracker=self.rng_tracker, pipeline_layers=self.pipeline_layers
+            )
             if self.pp > 1:
                 self._cut_pipeline_stage(module)
             module._megastrategy_sharded = True
@@ -260,6 +287,7 @@ class MegatronStrategy(DDPStrategy):
         if trainer.state.fn == TrainerFn.FITTING:
             if self.grad_buffer is not None:
                 self.grad_buffer.remove()
+            self._sp_params = sequence_parallel_grad_params(module) if self.sequence_parallel else []
             self.grad_buffer = ddp_integration.make_grad_buffer(self, module.parameters())
             self.setup_optimizers(trainer)
             ddp_integration.wrap_optimizers(self)
@@ -292,7 +320,8 @@ class MegatronStrategy(DDPStrategy):
             vp_size=vp,
         )
         comm = PipelineCommunicator(
-            pp_group=ps.pp_group, pp_ranks=ps.pp_ranks, pp_rank=ps.pp_rank, device=self.root_device, tp_group=ps.tp_group
+            pp_group=ps.pp_group, pp_ranks=ps.pp_ranks, pp_rank=ps.pp_rank, device=self.root_device,
+            tp_group=ps.tp_group, scatter_gather=not self.sequence_parallel,  # SP: TP ranks hold different slices
         )
         self.pipeline = PipelinedStep(
             stage=self.stage,
@@ -389,6 +418,8 @@ class MegatronStrategy(DDPStrategy):
                 if self.detect_anomalies and not self._grads_finite_everywhere(buffer):
                     buffer.zero()  # every rank skips (or raises) together
                     return result
+                if self._sp_params:  # replicated params in sequence-split regions: sum over TP
+                    allreduce_sequence_parallel_grads(self._sp_params, self._state().tp_group)
                 self._sync_tied_embedding_grads()
                 # once per optimizer step, after every microbatch/accumulation step
                 ddp_integration.finish_grad_sync(self)

@@ -120,8 +120,6 @@ def main() -> None:
             extra.update(use_distributed_optimizer=args.distributed_optimizer, overlap_grad_reduce=args.overlap_grad_reduce)
         if args.sequence_parallel or args.recompute:
             extra.update(sequence_parallel=args.sequence_parallel, activation_checkpointing=args.recompute)
-            # THROWAWAY until MegatronStrategy takes these options itself (make_strategy then returns it).
-            from tests.layers.sp_strategy import make_strategy as MegatronStrategy  # noqa: F811,N813
         strategy = MegatronStrategy(
             tp=args.tp, pp=args.pp, vp=args.vp, ep=args.ep, etp=args.etp, tp_plan=plan,
             heartbeat_timeout=args.heartbeat_timeout, **extra

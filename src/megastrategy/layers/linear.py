@@ -25,10 +25,12 @@ from megastrategy.layers.mappings import (
     ProcessGroupRef,
     SharedInputCopy,
     copy_to_tensor_parallel_region,
+    gather_from_sequence_parallel_region,
     gather_from_tensor_parallel_region,
     group_rank,
     group_world_size,
     reduce_from_tensor_parallel_region,
+    reduce_scatter_to_sequence_parallel_region,
     scatter_to_tensor_parallel_region,
 )
 from megastrategy.layers.shard_spec import ShardSpec, set_shard_spec, shard_full_tensor
@@ -79,6 +81,11 @@ class ColumnParallelLinear(nn.Module):
 
     ``packed_chunks=c`` treats the output dim as ``c`` concatenated projections (fused
     QKV) and shards each separately: rank r holds ``[q_r | k_r | v_r]``.
+
+    ``sequence_parallel=True``: the input is split along ``sequence_dim`` over the group
+    (sequence parallelism) and is all-gathered along it before the matmul (backward:
+    reduce-scatter) instead of the identity/all-reduce copy. A given ``input_copy`` still
+    takes precedence (a shared gather, see :mod:`megastrategy.layers.sequence_parallel`).
     """
 
     @property
@@ -97,6 +104,8 @@ class ColumnParallelLinear(nn.Module):
         skip_bias_add: bool = False,
         packed_chunks: int = 1,
         input_copy: SharedInputCopy | None = None,
+        sequence_parallel: bool = False,
+        sequence_dim: int = 0,
         device=None,
         dtype=None,
     ):
@@ -105,6 +114,7 @@ class ColumnParallelLinear(nn.Module):
         self._setup(full_w, full_b, group=group, gather_output=gather_output,
                     skip_bias_add=skip_bias_add, packed_chunks=packed_chunks,
                     input_copy=input_copy, w_grad=True, b_grad=True)
+        self.sequence_parallel, self.sequence_dim = bool(sequence_parallel), int(sequence_dim)
 
     # -- construction ----------------------------------------------------------------
     def _setup(self, full_w, full_b, *, group, gather_output, skip_bias_add, packed_chunks,
@@ -128,6 +138,8 @@ class ColumnParallelLinear(nn.Module):
         self.skip_bias_add = skip_bias_add
         self.packed_chunks = packed_chunks
         self.input_copy = input_copy
+        self.sequence_parallel = False
+        self.sequence_dim = 0
         self.output_size_per_partition = out_features // tp
         spec = ShardSpec(dim=0, full_size=out_features, padded_size=out_features,
                          packed_chunks=packed_chunks)
@@ -193,6 +205,8 @@ class ColumnParallelLinear(nn.Module):
     def forward(self, x: Tensor):
         if self.input_copy is not None:
             x = self.input_copy(x)
+        elif self.sequence_parallel:
+            x = gather_from_sequence_parallel_region(x, self.group, self.sequence_dim)
         else:
             x = copy_to_tensor_parallel_region(x, self.group)
         add_bias = self.bias is not None and not self.skip_bias_add
@@ -212,6 +226,8 @@ class ColumnParallelLinear(nn.Module):
              f"tp={self.tp_size}, rank={self.tp_rank}")
         if self.packed_chunks > 1:
             s += f", packed_chunks={self.packed_chunks}"
+        if self.sequence_parallel:
+            s += f", sequence_parallel=True (dim {self.sequence_dim})"
         if self.gather_output:
             s += ", gather_output=True"
         if self.skip_bias_add:
@@ -225,6 +241,12 @@ class RowParallelLinear(nn.Module):
     With ``input_is_parallel=False`` the (replicated) input is split over the last dim
     first. The bias is replicated and added after the all-reduce (returned separately
     with ``skip_bias_add=True``).
+
+    ``sequence_parallel=True``: the partial products are reduce-scattered along
+    ``sequence_dim`` (backward: all-gather) instead of all-reduced, so the output holds
+    this rank's slice of the sequence; the bias is added to that slice (its gradient is
+    then partial over the group and must be summed, see
+    :func:`megastrategy.layers.sequence_parallel.allreduce_sequence_parallel_grads`).
     """
 
     @property
@@ -241,6 +263,8 @@ class RowParallelLinear(nn.Module):
         bias: bool = True,
         input_is_parallel: bool = True,
         skip_bias_add: bool = False,
+        sequence_parallel: bool = False,
+        sequence_dim: int = 0,
         device=None,
         dtype=None,
     ):
@@ -248,6 +272,7 @@ class RowParallelLinear(nn.Module):
         full_w, full_b = init_linear_full(out_features, in_features, bias, device=device, dtype=dtype)
         self._setup(full_w, full_b, group=group, input_is_parallel=input_is_parallel,
                     skip_bias_add=skip_bias_add, w_grad=True, b_grad=True)
+        self.sequence_parallel, self.sequence_dim = bool(sequence_parallel), int(sequence_dim)
 
     def _setup(self, full_w, full_b, *, group, input_is_parallel, skip_bias_add, w_grad, b_grad):
         out_features, in_features = full_w.shape
@@ -260,6 +285,8 @@ class RowParallelLinear(nn.Module):
         self.tp_rank = group_rank(group)
         self.input_is_parallel = input_is_parallel
         self.skip_bias_add = skip_bias_add
+        self.sequence_parallel = False
+        self.sequence_dim = 0
         self.input_size_per_partition = in_features // tp
         spec = ShardSpec(dim=1, full_size=in_features, padded_size=in_features)
         self.weight = _param_from(shard_full_tensor(full_w, spec, self.tp_rank, tp), w_grad)
@@ -308,7 +335,10 @@ class RowParallelLinear(nn.Module):
     def forward(self, x: Tensor):
         if not self.input_is_parallel:
             x = scatter_to_tensor_parallel_region(x, self.group)
-        out = reduce_from_tensor_parallel_region(F.linear(x, self.weight), self.group)
+        if self.sequence_parallel:
+            out = reduce_scatter_to_sequence_parallel_region(F.linear(x, self.weight), self.group, self.sequence_dim)
+        else:
+            out = reduce_from_tensor_parallel_region(F.linear(x, self.weight), self.group)
         if self.skip_bias_add:
             return out, self.bias
         if self.bias is not None:
@@ -321,6 +351,8 @@ class RowParallelLinear(nn.Module):
              f"tp={self.tp_size}, rank={self.tp_rank}")
         if not self.input_is_parallel:
             s += ", input_is_parallel=False"
+        if self.sequence_parallel:
+            s += f", sequence_parallel=True (dim {self.sequence_dim})"
         if self.skip_bias_add:
             s += ", skip_bias_add=True"
         return s

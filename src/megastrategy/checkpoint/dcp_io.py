@@ -1,0 +1,332 @@
+"""The ``torch.distributed.checkpoint`` (DCP) side: what each local tensor becomes, the
+planners, the crash-safe directory protocol and reading the metadata.
+
+What a local tensor becomes (see :mod:`megastrategy.checkpoint.layout` for the chunks):
+
+* replicated: the plain tensor. Every rank holding it offers it under the same key; DCP's
+  save planner writes it once (duplicate write items are dropped across ranks).
+* sharded, one chunk (column/row/vocab layers): a ``DTensor`` over a 1-D device mesh of the
+  rank's tensor-parallel group, ``Shard(dim)``, whose global shape is the user's UNPADDED shape
+  and whose local tensor is a view of the real rows. Data-parallel replicas offer the same
+  ``(key, offset)`` and are written once; DCP reshards on load from the chunk metadata.
+* sharded with several chunks per rank (packed QKV ``[q_r|k_r|v_r]``) -- which a DTensor
+  placement cannot describe -- or any single chunk whose placement DTensor would compute
+  differently: a :class:`ChunkedTensor`, handled by the planners below through DCP's public
+  planner extension points (``create_local_plan``/``lookup_object``/``lookup_tensor`` and
+  ``create_read_items_for_chunk_list``). On disk it is indistinguishable from a DTensor.
+
+Loading always runs with ``no_dist=True``: every rank plans and reads only its own chunks,
+so a load needs no collective (and a rank that fails cannot hang the others inside DCP).
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import shutil
+import warnings
+from pathlib import Path
+from typing import Any, Callable, Optional, Union
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import Tensor
+from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
+from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
+    ChunkStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    TensorProperties,
+    TensorStorageMetadata,
+)
+from torch.distributed.checkpoint.planner import LoadPlan, SavePlan, TensorWriteData, WriteItem, WriteItemType
+from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
+
+from megastrategy.checkpoint.layout import Chunk, TensorLayout
+
+PathLike = Union[str, os.PathLike]
+METADATA_FILE = ".metadata"  # written last by DCP's coordinator
+TMP_SUFFIX = ".tmp"
+OLD_SUFFIX = ".old"
+
+__all__ = [
+    "ChunkedTensor",
+    "CheckpointNotFoundError",
+    "MeshCache",
+    "to_dcp_object",
+    "save_state",
+    "load_state",
+    "read_metadata",
+]
+
+
+class CheckpointNotFoundError(FileNotFoundError):
+    """The path is not a complete megastrategy (DCP) checkpoint directory."""
+
+
+# ---------------------------------------------------------------------------------------- objects
+class ChunkedTensor:
+    """This rank's chunks of one canonical tensor (views of its local tensor)."""
+
+    def __init__(self, shape: tuple[int, ...], chunks: list[Chunk]):
+        self.shape = torch.Size(shape)
+        self.chunks = [(torch.Size(o), v) for o, v in chunks]
+
+    def size(self) -> torch.Size:
+        return self.shape
+
+    def chunk_list(self) -> list[ChunkStorageMetadata]:
+        return [ChunkStorageMetadata(offsets=o, sizes=v.size()) for o, v in self.chunks]
+
+    def write_items(self, fqn: str) -> list[WriteItem]:
+        return [
+            WriteItem(
+                index=MetadataIndex(fqn, o),
+                type=WriteItemType.SHARD,
+                tensor_data=TensorWriteData(
+                    chunk=ChunkStorageMetadata(offsets=o, sizes=v.size()),
+                    properties=TensorProperties.create_from_tensor(v),
+                    size=self.shape,
+                ),
+            )
+            for o, v in self.chunks
+        ]
+
+    def chunk_at(self, index: MetadataIndex) -> Tensor:
+        if index.index is not None and index.index < len(self.chunks) and self.chunks[index.index][0] == index.offset:
+            return self.chunks[index.index][1]
+        for o, v in self.chunks:
+            if o == index.offset:
+                return v
+        raise ValueError(f"{index.fqn}: this rank holds no chunk at offset {tuple(index.offset or ())}")
+
+
+class MeshCache:
+    """1-D device meshes over the groups tensors are split over (``{"tp": group, "etp": group}``),
+    created on first use (no collective)."""
+
+    def __init__(self, groups: dict[str, Any]):
+        self.groups = {k: g for k, g in groups.items() if g is not None}
+        self._meshes: dict[tuple[str, str], Any] = {}
+
+    def get(self, group: str, device_type: str):
+        if group not in self.groups or not dist.is_initialized():
+            return None
+        if (group, device_type) not in self._meshes:
+            from torch.distributed.device_mesh import DeviceMesh
+
+            self._meshes[(group, device_type)] = DeviceMesh.from_group(self.groups[group], device_type)
+        return self._meshes[(group, device_type)]
+
+
+def _contiguous_stride(shape: torch.Size) -> tuple[int, ...]:
+    stride, acc = [], 1
+    for s in reversed(shape):
+        stride.append(acc)
+        acc *= max(int(s), 1)
+    return tuple(reversed(stride))
+
+
+def _as_dtensor(layout: TensorLayout, local: Tensor, shape: torch.Size, chunk: Chunk, meshes: Optional[MeshCache]):
+    """The chunk as a ``DTensor`` ``Shard(dim)``, or None when DTensor would place it elsewhere."""
+    if meshes is None:
+        return None
+    mesh = meshes.get(layout.group, local.device.type)
+    if mesh is None or mesh.size() != layout.tp_size:
+        return None
+    from torch.distributed.tensor import DTensor, Shard
+
+    offsets, view = chunk
+    dim = layout.canonical_dim(local.dim())
+    dt = DTensor.from_local(
+        view, mesh, [Shard(dim)], run_check=False, shape=shape, stride=_contiguous_stride(shape)
+    )
+    placed = dt.__create_chunk_list__()  # DCP's view of where this rank's piece lies
+    if len(placed) != 1 or tuple(placed[0].offsets) != tuple(offsets) or tuple(placed[0].sizes) != tuple(view.shape):
+        return None
+    return dt
+
+
+def to_dcp_object(layout: TensorLayout, local: Tensor, meshes: Optional[MeshCache]):
+    """What DCP receives for ``local`` (a plain tensor, a DTensor or a :class:`ChunkedTensor`)."""
+    local = local.detach()
+    chunks = layout.chunks(local)
+    if not layout.sharded:
+        return chunks[0][1]
+    shape = torch.Size(layout.canonical_shape(local))
+    if len(chunks) == 1:
+        dt = _as_dtensor(layout, local, shape, chunks[0], meshes)
+        if dt is not None:
+            return dt
+    return ChunkedTensor(shape, chunks)
+
+
+def split_objects(objects: dict[str, Any]) -> tuple[dict[str, Any], dict[str, ChunkedTensor]]:
+    plain = {k: v for k, v in objects.items() if not isinstance(v, ChunkedTensor)}
+    chunked = {k: v for k, v in objects.items() if isinstance(v, ChunkedTensor)}
+    return plain, chunked
+
+
+# --------------------------------------------------------------------------------------- planners
+class _SavePlanner(DefaultSavePlanner):
+    """DCP's default save planner plus write items for :class:`ChunkedTensor` entries."""
+
+    def __init__(self, chunked: dict[str, ChunkedTensor]):
+        # Our keys are flat; nested values (lists, dicts) are single objects, not trees to flatten.
+        super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
+        self._chunked = chunked
+
+    def create_local_plan(self) -> SavePlan:
+        plan = super().create_local_plan()
+        extra = [item for fqn, obj in self._chunked.items() for item in obj.write_items(fqn)]
+        self.plan = dataclasses.replace(plan, items=list(plan.items) + extra)
+        return self.plan
+
+    def lookup_object(self, index: MetadataIndex) -> Any:
+        obj = self._chunked.get(index.fqn)
+        if obj is not None:
+            return obj.chunk_at(index)
+        return super().lookup_object(index)
+
+
+class _LoadPlanner(DefaultLoadPlanner):
+    """DCP's default load planner plus read items for :class:`ChunkedTensor` entries."""
+
+    def __init__(self, chunked: dict[str, ChunkedTensor]):
+        super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False, allow_partial_load=False)
+        self._chunked = chunked
+
+    def create_local_plan(self) -> LoadPlan:
+        plan = super().create_local_plan()
+        items = list(plan.items)
+        assert self.metadata is not None
+        for fqn, obj in self._chunked.items():
+            md = self.metadata.state_dict_metadata.get(fqn)
+            if md is None:
+                raise RuntimeError(f"Missing key in checkpoint state_dict: {fqn}.")
+            if not isinstance(md, TensorStorageMetadata) or md.size != obj.size():
+                found = md.size if isinstance(md, TensorStorageMetadata) else "an object"
+                raise ValueError(f"Size mismatch between saved {found} and current: {obj.size()} for {fqn}")
+            items += create_read_items_for_chunk_list(fqn, md, obj.chunk_list())
+        return dataclasses.replace(plan, items=items)
+
+    def lookup_tensor(self, index: MetadataIndex) -> Tensor:
+        obj = self._chunked.get(index.fqn)
+        if obj is not None:
+            return obj.chunk_at(index)
+        return super().lookup_tensor(index)
+
+
+# ------------------------------------------------------------------------------------ directories
+def _barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def _rmtree(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=True)
+    elif path.exists() or path.is_symlink():
+        path.unlink()
+
+
+def save_state(
+    path: PathLike,
+    objects: dict[str, Any],
+    *,
+    is_coordinator: bool,
+    barrier: Callable[[], None] = _barrier,
+) -> None:
+    """Collective: write ``objects`` (this rank's part) as one DCP checkpoint at ``path``.
+
+    Crash safety: everything is written into ``<path>.tmp``; DCP writes ``.metadata`` last,
+    after every rank's data; only then, after a barrier, does the coordinator move the
+    directory to ``path`` (an existing checkpoint there is replaced). A crash leaves at most
+    a ``.tmp`` directory that no loader accepts.
+    """
+    final = Path(path)
+    tmp = final.with_name(final.name + TMP_SUFFIX)
+    old = final.with_name(final.name + OLD_SUFFIX)
+    if is_coordinator:
+        _rmtree(tmp)
+        tmp.mkdir(parents=True)
+    barrier()
+    plain, chunked = split_objects(objects)
+    dcp.save(
+        plain,
+        storage_writer=FileSystemWriter(str(tmp), single_file_per_rank=True, sync_files=True, thread_count=1),
+        planner=_SavePlanner(chunked),
+    )
+    barrier()
+    if is_coordinator:
+        if not (tmp / METADATA_FILE).is_file():  # pragma: no cover - DCP raises first
+            raise RuntimeError(f"DCP finished without writing {tmp / METADATA_FILE}")
+        if final.exists() or final.is_symlink():
+            _rmtree(old)
+            os.replace(final, old)
+        os.replace(tmp, final)
+        _rmtree(old)
+    barrier()
+
+
+def check_checkpoint_dir(path: PathLike) -> Path:
+    p = Path(path)
+    if not p.is_dir():
+        hint = ""
+        if p.is_file():
+            hint = (
+                " It is a single file (a torch.save checkpoint?); MegatronStrategy checkpoints are "
+                "directories. To start from full weights, load them into the module with "
+                "megastrategy.checkpoint.load_full_state_dict."
+            )
+        elif p.with_name(p.name + TMP_SUFFIX).is_dir():
+            hint = f" Only {p.name + TMP_SUFFIX} exists: the save was interrupted before it completed."
+        else:
+            hint = " It does not exist."
+        raise CheckpointNotFoundError(f"{p} is not a megastrategy checkpoint directory.{hint}")
+    if not (p / METADATA_FILE).is_file():
+        legacy = (p / "megastrategy_meta.json").is_file()
+        hint = (
+            " It is in the old one-file-per-rank format, which this version does not read."
+            if legacy
+            else " The save did not finish, or this is not a checkpoint directory."
+        )
+        raise CheckpointNotFoundError(
+            f"{p} is not a complete megastrategy checkpoint: DCP's {METADATA_FILE} is missing.{hint}"
+        )
+    return p
+
+
+def read_metadata(path: PathLike) -> Metadata:
+    """DCP's metadata (every key with its global size and chunks); raises when incomplete."""
+    return FileSystemReader(str(check_checkpoint_dir(path))).read_metadata()
+
+
+def load_state(path: PathLike, objects: dict[str, Any]) -> dict[str, Any]:
+    """Read ``objects`` (templates, loaded in place; objects stored as bytes are replaced)."""
+    p = check_checkpoint_dir(path)
+    plain, chunked = split_objects(objects)
+    if not plain and not chunked:
+        return plain
+    with warnings.catch_warnings():  # no_dist is deliberate (see the module docstring)
+        warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single process")
+        dcp.load(plain, storage_reader=FileSystemReader(str(p)), planner=_LoadPlanner(chunked), no_dist=True)
+    return plain
+
+
+def template_for(md: Any) -> Any:
+    """An empty full tensor for a tensor entry, a placeholder for an object entry."""
+    if isinstance(md, TensorStorageMetadata):
+        return torch.empty(md.size, dtype=md.properties.dtype)
+    if isinstance(md, BytesStorageMetadata):
+        return None
+    raise TypeError(f"unknown DCP storage metadata {type(md).__name__}")
+
+
+def remove_checkpoint_dir(path: PathLike) -> None:
+    """Delete a checkpoint (directory or stray file) and any interrupted ``.tmp`` twin."""
+    p = Path(path)
+    _rmtree(p)
+    _rmtree(p.with_name(p.name + TMP_SUFFIX))

@@ -1,0 +1,476 @@
+"""Save and load a rank's module and optimizers as one canonical, resharding DCP checkpoint.
+
+Keys in the checkpoint (flat; ``/`` never occurs in a module name):
+
+``model/<name>``
+    every entry of the user's ORIGINAL ``state_dict`` (original name and shape; tied
+    parameters appear under each of their names, as in ``state_dict()``).
+``optim/<i>/state/<name>/<key>``
+    optimizer ``i``'s state of parameter ``<name>`` (every name of a tied parameter).
+    State tensors with the parameter's shape (Adam's moments) are sharded exactly like the
+    parameter; scalars (``step``) are plain tensors; other values are stored as objects.
+``optim/<i>/param_groups``
+    the groups' hyperparameters (everything but ``params``), one dict per group.
+``meta/info``
+    format, the layout that wrote the checkpoint, the pipeline stack path, optimizer count.
+``meta/order/<global rank>``
+    that rank's pipeline stage and model keys in ``state_dict`` order (to restore the order).
+``meta/lightning``
+    everything else in Lightning's checkpoint dict (written by global rank 0).
+
+Nothing about the writer's layout is needed to read it: a loader describes its OWN tensors
+as chunks of the canonical tensors and DCP reads the overlapping pieces.
+"""
+from __future__ import annotations
+
+import warnings
+from collections import namedtuple
+from collections.abc import Sequence
+from typing import Any, Callable, Iterable, Optional
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
+
+from megastrategy.checkpoint.dcp_io import (
+    MeshCache,
+    PathLike,
+    load_state,
+    read_metadata,
+    save_state,
+    template_for,
+    to_dcp_object,
+)
+from megastrategy.checkpoint.layout import ModuleLayout, TensorLayout, module_layout
+
+FORMAT = "megastrategy-dcp-v1"
+MODEL = "model/"
+INFO_KEY = "meta/info"
+LIGHTNING_KEY = "meta/lightning"
+ORDER_PREFIX = "meta/order/"
+
+#: what the loaders return, like ``nn.Module.load_state_dict``
+IncompatibleKeys = namedtuple("IncompatibleKeys", ["missing_keys", "unexpected_keys"])
+
+__all__ = [
+    "FORMAT",
+    "save_sharded",
+    "load_model_",
+    "load_optimizer_states",
+    "load_full_model_state",
+    "read_info",
+    "read_lightning_metadata",
+    "load_full_state_dict",
+]
+
+
+def optim_state_prefix(i: int) -> str:
+    return f"optim/{i}/state/"
+
+
+def optim_groups_key(i: int) -> str:
+    return f"optim/{i}/param_groups"
+
+
+def _layout(module: nn.Module, parallel_state: Any, plan: Any) -> tuple[ModuleLayout, MeshCache]:
+    if parallel_state is None:
+        return module_layout(module, 0, 1, plan), MeshCache({})
+    ps = parallel_state
+    groups = {"tp": ps.tp_group if ps.tp_size > 1 else None, "etp": getattr(ps, "expert_tp_group", None)}
+    return module_layout(module, ps.tp_rank, ps.tp_size, plan), MeshCache(groups)
+
+
+# -------------------------------------------------------------------------------------------- save
+def _optimizer_objects(
+    i: int, optimizer: torch.optim.Optimizer, osd: dict, layout: ModuleLayout, meshes: MeshCache
+) -> dict[str, Any]:
+    flat = [p for g in optimizer.param_groups for p in g["params"]]
+    canonical = layout.canonical()
+    objects: dict[str, Any] = {}
+    for idx, state in osd.get("state", {}).items():
+        if not 0 <= int(idx) < len(flat):
+            raise ValueError(f"optimizer {i}: state for parameter #{idx}, but the optimizer has {len(flat)} parameters")
+        p = flat[int(idx)]
+        names = layout.param_names.get(id(p))
+        if not names:
+            raise ValueError(
+                f"optimizer {i}: parameter #{idx} (shape {tuple(p.shape)}) is not a parameter of the "
+                "LightningModule, so its state cannot be named in the checkpoint."
+            )
+        lay = canonical[names[0]][1]
+        for key, value in state.items():
+            if isinstance(value, Tensor) and value.dim() > 0 and value.shape == p.shape:
+                obj = to_dcp_object(lay, value, meshes)  # elementwise state: sharded like the parameter
+            elif isinstance(value, Tensor):
+                if lay.sharded and value.dim() > 0:
+                    raise ValueError(
+                        f"optimizer {i} state {key!r} of the sharded parameter {lay.name} has shape "
+                        f"{tuple(value.shape)}, neither the parameter's {tuple(p.shape)} nor a scalar; "
+                        "only elementwise and scalar optimizer states can be resharded."
+                    )
+                obj = value.detach()
+            else:
+                obj = value
+            for name in names:
+                objects[f"{optim_state_prefix(i)}{name}/{key}"] = obj
+    groups = [{k: v for k, v in g.items() if k != "params"} for g in osd.get("param_groups", [])]
+    objects[optim_groups_key(i)] = groups
+    return objects
+
+
+def save_sharded(
+    path: PathLike,
+    *,
+    module: nn.Module,
+    parallel_state: Any = None,
+    optimizers: Optional[Sequence[torch.optim.Optimizer]] = None,
+    optimizer_states: Optional[Sequence[dict]] = None,
+    lightning: Optional[dict] = None,
+    plan: Any = None,
+    stack_path: Optional[str] = None,
+    layout_record: Optional[dict] = None,
+    is_coordinator: Optional[bool] = None,
+    barrier: Optional[Callable[[], None]] = None,
+) -> None:
+    """Collective over the default group: write this rank's share of the model and optimizers.
+
+    ``optimizers=None`` saves no optimizer state (a weights-only checkpoint); ``optimizer_states``
+    are the optimizers' ``state_dict()`` (taken from the optimizers when omitted); ``lightning``
+    is the object stored as ``meta/lightning`` (coordinator only).
+    """
+    if is_coordinator is None:
+        is_coordinator = not dist.is_initialized() or dist.get_rank() == 0
+    layout, meshes = _layout(module, parallel_state, plan)
+    objects: dict[str, Any] = {}
+    with torch.no_grad():
+        for _key, (t, lay) in layout.tensors.items():
+            objects[MODEL + lay.name] = to_dcp_object(lay, t, meshes)
+        if optimizer_states is not None and len(optimizer_states) != len(optimizers or ()):
+            raise ValueError(f"{len(optimizer_states)} optimizer states for {len(optimizers or ())} optimizers")
+        for i, opt in enumerate(optimizers or ()):
+            osd = optimizer_states[i] if optimizer_states is not None else opt.state_dict()
+            objects.update(_optimizer_objects(i, opt, osd, layout, meshes))
+    pp_rank = parallel_state.pp_rank if parallel_state is not None else 0
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    objects[f"{ORDER_PREFIX}{rank}"] = {"pp": pp_rank, "keys": [lay.name for _, lay in layout.tensors.values()]}
+    if is_coordinator:
+        objects[INFO_KEY] = {
+            "format": FORMAT,
+            "layout": layout_record,
+            "stack_path": stack_path,
+            "num_optimizers": None if optimizers is None else len(optimizers),
+            "torch": torch.__version__,
+        }
+        if lightning is not None:
+            objects[LIGHTNING_KEY] = lightning
+    save_state(path, objects, is_coordinator=is_coordinator, **({"barrier": barrier} if barrier else {}))
+
+
+# -------------------------------------------------------------------------------------------- read
+def _read_objects(path: PathLike, keys: Iterable[str]) -> dict[str, Any]:
+    md = read_metadata(path).state_dict_metadata
+    objects = {k: None for k in keys if k in md and isinstance(md[k], BytesStorageMetadata)}
+    return load_state(path, objects)
+
+
+def read_info(path: PathLike) -> dict[str, Any]:
+    """The ``meta/info`` record (format, writer's layout, ...)."""
+    info = _read_objects(path, [INFO_KEY]).get(INFO_KEY)
+    if not isinstance(info, dict) or info.get("format") != FORMAT:
+        raise ValueError(f"{path} is a DCP checkpoint but not one written by megastrategy ({FORMAT}).")
+    return info
+
+
+def read_lightning_metadata(path: PathLike) -> dict[str, Any]:
+    """Lightning's part of the checkpoint (loops, callbacks, epoch, hparams, ...)."""
+    return dict(_read_objects(path, [LIGHTNING_KEY]).get(LIGHTNING_KEY) or {})
+
+
+def merge_orders(orders: Iterable[list[str]]) -> list[str]:
+    """One order from several partial ones (ranks of one stage holding different experts):
+    a key new to the result goes right before the next key of its own list already placed."""
+    result: list[str] = []
+    for keys in orders:
+        placed = set(result)
+        pending: list[str] = []
+        for k in keys:
+            if k not in placed:
+                pending.append(k)
+                continue
+            if pending:
+                at = result.index(k)
+                result[at:at] = pending
+                placed.update(pending)
+                pending = []
+        result += pending
+    return result
+
+
+def merged_key_order(stage_orders: dict[int, list[str]], stack_path: Optional[str]) -> list[str]:
+    """The user's ``state_dict`` order from the pipeline stages' own orders.
+
+    Each stage holds a subsequence of the original order: the modules before the layer stack
+    (first stage), its blocks under their global indices, the modules after it (last stage).
+    """
+    prefix = f"{stack_path}." if stack_path else None
+    pre: list[str] = []
+    post: list[str] = []
+    blocks: dict[int, list[str]] = {}
+    seen: set[str] = set()
+    for _, keys in sorted(stage_orders.items()):
+        after_stack = False
+        for k in keys:
+            if k in seen:
+                continue
+            seen.add(k)
+            if prefix and k.startswith(prefix) and k[len(prefix) :].split(".", 1)[0].isdigit():
+                blocks.setdefault(int(k[len(prefix) :].split(".", 1)[0]), []).append(k)
+                after_stack = True
+            else:
+                (post if after_stack else pre).append(k)
+    return pre + [k for i in sorted(blocks) for k in blocks[i]] + post
+
+
+def load_full_model_state(path: PathLike, *, prefix: str = MODEL) -> dict[str, Tensor]:
+    """Every model tensor, whole, in the user's names, shapes and ``state_dict`` order.
+
+    Needs no process group (reads the files directly); holds the full model in memory.
+    """
+    md = read_metadata(path).state_dict_metadata
+    keys = [k for k in md if k.startswith(prefix)]
+    objects: dict[str, Any] = {k: template_for(md[k]) for k in keys}
+    order_keys = [k for k in md if k.startswith(ORDER_PREFIX)]
+    objects.update({k: None for k in order_keys + ([INFO_KEY] if INFO_KEY in md else [])})
+    loaded = load_state(path, objects)
+    info = loaded.get(INFO_KEY) or {}
+    by_stage: dict[int, list[list[str]]] = {}
+    for k in sorted(order_keys, key=lambda k: int(k[len(ORDER_PREFIX) :])):  # by global rank
+        entry = loaded[k]
+        by_stage.setdefault(int(entry["pp"]), []).append([prefix + n for n in entry["keys"]])
+    stages = {pp: merge_orders(lists) for pp, lists in by_stage.items()}
+    order = [k for k in merged_key_order(stages, info.get("stack_path")) if k in md]
+    order += [k for k in keys if k not in set(order)]
+    return {k[len(prefix) :]: loaded[k] for k in order}
+
+
+# -------------------------------------------------------------------------------------------- load
+def load_model_(
+    path: PathLike,
+    module: nn.Module,
+    parallel_state: Any = None,
+    *,
+    plan: Any = None,
+    strict: bool = True,
+) -> IncompatibleKeys:
+    """Load the checkpoint's model IN PLACE into this rank's (sharded and/or cut) ``module``.
+
+    Only this rank's chunks are read. ``missing_keys``: the module's keys the checkpoint lacks
+    (an error when ``strict``); ``unexpected_keys`` is always empty (with pipeline stages the
+    checkpoint legitimately holds keys of other stages).
+    """
+    md = read_metadata(path).state_dict_metadata
+    layout, meshes = _layout(module, parallel_state, plan)
+    objects: dict[str, Any] = {}
+    missing: list[str] = []
+    with torch.no_grad():
+        for _key, (t, lay) in layout.tensors.items():
+            key = MODEL + lay.name
+            saved = md.get(key)
+            if saved is None:
+                missing.append(lay.name)
+                continue
+            want = torch.Size(lay.canonical_shape(t))
+            if not isinstance(saved, TensorStorageMetadata) or saved.size != want:
+                found = tuple(saved.size) if isinstance(saved, TensorStorageMetadata) else "an object"
+                raise ValueError(
+                    f"{path}: {lay.name} has shape {found} in the checkpoint but {tuple(want)} in this "
+                    "model (shapes are compared unsharded and unpadded); the model's architecture differs."
+                )
+            objects[key] = to_dcp_object(lay, t, meshes)
+        if strict and missing:
+            raise KeyError(
+                f"{path} lacks {len(missing)} of this model's tensors: {missing[:10]}"
+                + (" ..." if len(missing) > 10 else "")
+                + " (pass strict=False / LightningModule.strict_loading=False to load the rest)."
+            )
+        load_state(path, objects)
+    return IncompatibleKeys(missing, [])
+
+
+def load_optimizer_states(
+    path: PathLike,
+    module: nn.Module,
+    optimizers: Sequence[torch.optim.Optimizer],
+    parallel_state: Any = None,
+    *,
+    plan: Any = None,
+) -> list[dict[str, Any]]:
+    """Torch-format ``state_dict()``s for ``optimizers`` over THIS rank's parameters.
+
+    Templates in the current layout are built from the checkpoint's metadata, filled by DCP
+    (only this rank's chunks are read), and numbered like ``optimizer.state_dict()`` numbers
+    the current parameters, so ``optimizer.load_state_dict`` takes them as they are.
+    """
+    md = read_metadata(path).state_dict_metadata
+    layout, meshes = _layout(module, parallel_state, plan)
+    canonical = layout.canonical()
+    # optimizer index -> saved parameter name -> [state keys]
+    saved: dict[int, dict[str, list[str]]] = {}
+    for k in md:
+        if not k.startswith("optim/"):
+            continue
+        _, i, kind, rest = (k.split("/", 3) + ["", ""])[:4]
+        if kind == "state" and "/" in rest:
+            name, key = rest.split("/", 1)
+            saved.setdefault(int(i), {}).setdefault(name, []).append(key)
+
+    objects: dict[str, Any] = {}
+    plans: list[list[tuple[int, str, str, Any, Tensor]]] = []  # (param index, dcp key, state key, obj, local)
+    unnamed: list[str] = []
+    for i, opt in enumerate(optimizers):
+        gkey = optim_groups_key(i)
+        if gkey not in md:
+            raise ValueError(
+                f"{path} holds the state of fewer optimizers than the {len(optimizers)} configured "
+                f"(no {gkey}); configure_optimizers must return the same optimizers as when it was saved."
+            )
+        objects[gkey] = None
+        entries = []
+        flat = [p for g in opt.param_groups for p in g["params"]]
+        for idx, p in enumerate(flat):
+            names = layout.param_names.get(id(p), [])
+            name = next((n for n in names if n in saved.get(i, {})), None)
+            if name is None:
+                if saved.get(i):
+                    unnamed.append(names[0] if names else f"#{idx}")
+                continue
+            lay: TensorLayout = canonical[names[0]][1]
+            for key in saved[i][name]:
+                dkey = f"{optim_state_prefix(i)}{name}/{key}"
+                smd = md[dkey]
+                if isinstance(smd, BytesStorageMetadata):
+                    objects[dkey] = None
+                    entries.append((idx, dkey, key, None, None))
+                    continue
+                if p.dim() > 0 and smd.size == torch.Size(lay.canonical_shape(p)):
+                    local = torch.zeros_like(p, dtype=smd.properties.dtype, memory_format=torch.contiguous_format)
+                    obj = to_dcp_object(lay, local, meshes)
+                else:
+                    local = torch.zeros(smd.size, dtype=smd.properties.dtype, device=p.device)
+                    obj = local
+                objects[dkey] = obj
+                entries.append((idx, dkey, key, obj, local))
+        plans.append(entries)
+    if unnamed:
+        warnings.warn(
+            f"{path}: no optimizer state saved for {len(unnamed)} parameter(s) ({unnamed[:5]}); "
+            "they start with a fresh optimizer state.",
+            stacklevel=2,
+        )
+    with torch.no_grad():
+        loaded = load_state(path, objects)
+
+    out = []
+    for i, (opt, entries) in enumerate(zip(optimizers, plans)):
+        groups_saved = loaded[optim_groups_key(i)]
+        if len(groups_saved) != len(opt.param_groups):
+            raise ValueError(
+                f"optimizer {i}: the checkpoint has {len(groups_saved)} parameter groups, the optimizer "
+                f"{len(opt.param_groups)}; configure_optimizers must build the same groups."
+            )
+        groups, start = [], 0
+        for g_saved, g in zip(groups_saved, opt.param_groups):
+            groups.append({**g_saved, "params": list(range(start, start + len(g["params"])))})
+            start += len(g["params"])
+        state: dict[int, dict[str, Any]] = {}
+        for idx, dkey, key, obj, local in entries:
+            state.setdefault(idx, {})[key] = loaded[dkey] if obj is None else local
+        out.append({"state": state, "param_groups": groups})
+    return out
+
+
+def load_full_state_dict(
+    module: nn.Module,
+    full_state_dict: dict[str, Tensor],
+    parallel_state: Any = None,
+    *,
+    plan: Any = None,
+    strict: bool = True,
+) -> IncompatibleKeys:
+    """Load the user's full (unsharded) ``state_dict`` into an already sharded/cut ``module``.
+
+    Each tensor is cut for this rank with :func:`~megastrategy.layers.shard_spec.shard_full_tensor`
+    (vocabulary padding rows become zeros); no communication. Keys are the user's original
+    names (``in_proj_weight``, ...), shapes the original ones. With ``parallel_state=None`` and
+    ``plan=None`` they are taken from the Trainer's ``MegatronStrategy`` when ``module`` is
+    attached to one (the plan matters only for Hugging Face ``Conv1D`` layers).
+
+    Returns ``(missing_keys, unexpected_keys)``. With ``strict``, missing keys raise, and so do
+    unexpected ones unless the module is one pipeline stage (the others hold them).
+    """
+    strategy = _attached_strategy(module)
+    if parallel_state is None and strategy is not None:
+        parallel_state = getattr(strategy, "parallel_state", None)
+    if plan is None and strategy is not None:
+        plan = getattr(strategy, "resolved_plan", None)
+    layout, _ = _layout(module, parallel_state, plan)
+    missing: list[str] = []
+    used: set[str] = set()
+    with torch.no_grad():
+        for _key, (t, lay) in layout.tensors.items():
+            full = full_state_dict.get(lay.name)
+            if full is None:
+                missing.append(lay.name)
+                continue
+            want = lay.canonical_shape(t)
+            if tuple(full.shape) != want:
+                raise ValueError(f"{lay.name}: the full state dict has shape {tuple(full.shape)}, this model {want}.")
+            t.copy_(lay.shard_full(full.to(device=t.device)))
+            used.add(lay.name)
+    unexpected = [k for k in full_state_dict if k not in used]
+    pp_size = getattr(parallel_state, "pp_size", 1) if parallel_state is not None else 1
+    if strict and (missing or (unexpected and pp_size == 1)):
+        raise KeyError(
+            f"load_full_state_dict: missing keys {missing[:10]}, unexpected keys {unexpected[:10] if pp_size == 1 else []} "
+            "(pass strict=False to load the matching ones)."
+        )
+    return IncompatibleKeys(missing, unexpected)
+
+
+def _attached_strategy(module: nn.Module) -> Any:
+    trainer = getattr(module, "_trainer", None)
+    return getattr(trainer, "strategy", None) if trainer is not None else None
+
+
+class DeferredOptimizerStates(Sequence):
+    """``checkpoint["optimizer_states"]``, read on first use.
+
+    Lightning reads the checkpoint before the strategy's ``setup`` (where the module is
+    sharded and the optimizers are created) and loads the optimizer states after it; the
+    templates depend on both, so the states are read when Lightning first iterates them.
+    """
+
+    def __init__(self, count: int, resolve: Callable[[], list[dict[str, Any]]]):
+        self._count = count
+        self._resolve = resolve
+        self._value: Optional[list[dict[str, Any]]] = None
+
+    def _get(self) -> list[dict[str, Any]]:
+        if self._value is None:
+            self._value = self._resolve()
+        return self._value
+
+    def __len__(self) -> int:
+        return self._count
+
+    def __getitem__(self, i):
+        return self._get()[i]
+
+    def __iter__(self):
+        return iter(self._get())
+
+    def __repr__(self) -> str:
+        state = "loaded" if self._value is not None else "not read yet"
+        return f"DeferredOptimizerStates({self._count} optimizer(s), {state})"
+

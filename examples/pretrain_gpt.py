@@ -6,6 +6,7 @@ under tensor parallelism runs vocab-parallel without gathering the logits.
 
     python examples/pretrain_gpt.py --tp 2 --devices 2 --max-steps 40
     python examples/pretrain_gpt.py --text-file my_corpus.txt --tp 2 --devices 4
+    python examples/pretrain_gpt.py --num-experts 4 --top-k 2 --ep 2 --devices 2   # mixture of experts
 """
 from __future__ import annotations
 
@@ -50,15 +51,20 @@ class CharCorpus(Dataset):
 
 
 class Block(nn.Module):
-    def __init__(self, d_model: int, n_head: int):
+    def __init__(self, d_model: int, n_head: int, num_experts: int | None = None, top_k: int = 2):
         super().__init__()
         self.n_head = n_head
         self.ln_1 = nn.LayerNorm(d_model)
         self.query, self.key, self.value = (nn.Linear(d_model, d_model) for _ in range(3))
         self.attn_out = nn.Linear(d_model, d_model)
         self.ln_2 = nn.LayerNorm(d_model)
-        self.fc_in = nn.Linear(d_model, 4 * d_model)
-        self.fc_out = nn.Linear(4 * d_model, d_model)
+        if num_experts:  # mixture of experts: the MLP becomes num_experts MLPs and a top-k router
+            from megastrategy.moe import MoELayer
+
+            self.moe = MoELayer(d_model, 4 * d_model, num_experts=num_experts, top_k=top_k)
+        else:
+            self.fc_in = nn.Linear(d_model, 4 * d_model)
+            self.fc_out = nn.Linear(4 * d_model, d_model)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, t, _ = x.shape
@@ -66,6 +72,8 @@ class Block(nn.Module):
         q, k, v = (proj(h).view(b, t, self.n_head, -1).transpose(1, 2) for proj in (self.query, self.key, self.value))
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         x = x + self.attn_out(y.transpose(1, 2).reshape(b, t, -1))
+        if hasattr(self, "moe"):
+            return x + self.moe(self.ln_2(x))
         return x + self.fc_out(F.gelu(self.fc_in(self.ln_2(x))))
 
 
@@ -82,12 +90,13 @@ class GPT(L.LightningModule):
         "blocks.*.fc_out": "row",
     }
 
-    def __init__(self, vocab_size: int, seq_len: int, d_model: int, n_head: int, n_layer: int, lr: float):
+    def __init__(self, vocab_size: int, seq_len: int, d_model: int, n_head: int, n_layer: int, lr: float,
+                 num_experts: int | None = None, top_k: int = 2):
         super().__init__()
         self.save_hyperparameters()
         self.token_embedding = nn.Embedding(vocab_size, d_model)
         self.position_embedding = nn.Embedding(seq_len, d_model)
-        self.blocks = nn.ModuleList(Block(d_model, n_head) for _ in range(n_layer))
+        self.blocks = nn.ModuleList(Block(d_model, n_head, num_experts, top_k) for _ in range(n_layer))
         self.ln_f = nn.LayerNorm(d_model)
         self.lm_head = nn.Linear(d_model, vocab_size, bias=False)
         self.lm_head.weight = self.token_embedding.weight  # tied input/output embedding
@@ -121,6 +130,10 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--text-file", type=Path, help="a local UTF-8 text file (default: a built-in paragraph)")
     p.add_argument("--tp", type=int, default=1)
+    p.add_argument("--num-experts", type=int, default=None, help="replace every MLP by a mixture of this many experts")
+    p.add_argument("--top-k", type=int, default=2, help="experts per token (with --num-experts)")
+    p.add_argument("--ep", type=int, default=1, help="expert-parallel size")
+    p.add_argument("--etp", type=int, default=None, help="expert-tensor-parallel size (default: tp)")
     p.add_argument("--devices", type=int, default=1)
     p.add_argument("--accelerator", default="cpu")
     p.add_argument("--seq-len", type=int, default=32)
@@ -141,12 +154,13 @@ def main() -> None:
     split = int(len(text) * 0.9)
     train = CharCorpus(text[:split], args.seq_len, vocab)
     val = CharCorpus(text[split:], args.seq_len, vocab)
-    model = GPT(len(vocab), args.seq_len, args.d_model, args.n_head, args.n_layer, args.lr)
+    model = GPT(len(vocab), args.seq_len, args.d_model, args.n_head, args.n_layer, args.lr, args.num_experts, args.top_k)
 
     if args.strategy == "megatron":
         from megastrategy import MegatronStrategy
 
-        strategy = MegatronStrategy(tp=args.tp, tp_plan=GPT.TP_PLAN)
+        plan = {k: v for k, v in GPT.TP_PLAN.items() if not (args.num_experts and k.startswith("blocks.*.fc_"))}
+        strategy = MegatronStrategy(tp=args.tp, tp_plan=plan, ep=args.ep, etp=args.etp)
     else:
         strategy = "ddp"
     trainer = L.Trainer(

@@ -28,6 +28,7 @@ from megastrategy.ddp.grad_buffer import DEFAULT_BUCKET_NUMEL, GradientBuffer
 from megastrategy.errors import MegatronConfigError
 from megastrategy.layers.plan import ResolvedPlan, apply_tp_plan, resolve_tp_plan
 from megastrategy.layers.random import ModelParallelRNGTracker
+from megastrategy.moe import integration as moe
 from megastrategy.layers.recompute import apply_activation_checkpointing, validate_recompute_mode
 from megastrategy.layers.sequence_parallel import (
     allreduce_sequence_parallel_grads,
@@ -50,10 +51,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-_NOT_YET = {
-    "cp": "context parallelism (cp > 1)",
-    "ep": "expert parallelism (ep > 1)",
-}
+_NOT_YET = {"cp": "context parallelism (cp > 1)"}
 
 
 class MegatronStrategy(DDPStrategy):
@@ -116,11 +114,11 @@ class MegatronStrategy(DDPStrategy):
         for name, value in (("tp", tp), ("pp", pp), ("cp", cp), ("ep", ep)):
             if not isinstance(value, int) or value < 1:
                 raise MegatronConfigError(f"MegatronStrategy({name}={value!r}): must be a positive integer.")
-        for name, asked in (("cp", cp > 1), ("ep", ep > 1)):
+        for name, asked in (("cp", cp > 1),):
             if asked:
                 raise NotImplementedError(
                     f"MegatronStrategy({name}=...): {_NOT_YET[name]} is not available in this version; "
-                    "tensor, pipeline and data parallelism are."
+                    "tensor, pipeline, data and expert parallelism are."
                 )
         if num_microbatches is not None and (not isinstance(num_microbatches, int) or num_microbatches < 1):
             raise MegatronConfigError(f"num_microbatches={num_microbatches!r} must be a positive integer or None (= pp).")
@@ -151,6 +149,8 @@ class MegatronStrategy(DDPStrategy):
         self.detect_anomalies, self.on_nonfinite = detect_anomalies, on_nonfinite
         self.watchdog: Optional[FailureWatchdog] = None
         self.skipped_steps = 0
+        self.expert_grad_buffer: Optional[GradientBuffer] = None
+        self.num_moe_layers = 0
         self.use_distributed_optimizer, self.overlap_grad_reduce = use_distributed_optimizer, overlap_grad_reduce
         validate_sequence_parallel(tp=tp, sequence_parallel=sequence_parallel)
         validate_recompute_mode(activation_checkpointing)
@@ -180,6 +180,8 @@ class MegatronStrategy(DDPStrategy):
         if self.sequence_parallel:
             check_sequence_parallel_support(module, self.pipeline_layers)
         self._check_pipeline(module)
+        if self.layout is not None:
+            moe.validate_moe(module, self.layout)
 
     def _check_pipeline(self, module: nn.Module) -> None:
         """Pipeline errors (stack, layer counts, schedule) before any collective."""
@@ -280,15 +282,29 @@ class MegatronStrategy(DDPStrategy):
             )
             if self.pp > 1:
                 self._cut_pipeline_stage(module)
+            self.num_moe_layers = moe.shard_moe_layers(module, ps)  # collective: every rank agrees
             module._megastrategy_sharded = True
             _set_metric_process_group(module, ps.dp_group)
         self.precision_plugin.convert_module(self.model)
         self.model_to_device()
         if trainer.state.fn == TrainerFn.FITTING:
-            if self.grad_buffer is not None:
-                self.grad_buffer.remove()
+            for old in (self.grad_buffer, self.expert_grad_buffer):
+                if old is not None:
+                    old.remove()
             self._sp_params = sequence_parallel_grad_params(module) if self.sequence_parallel else []
-            self.grad_buffer = ddp_integration.make_grad_buffer(self, module.parameters())
+            # Dense parameters average over DP; experts have their own buffer over expert-DP.
+            self.grad_buffer = ddp_integration.make_grad_buffer(self, moe.dense_parameters(module))
+            self.expert_grad_buffer = None
+            if self.num_moe_layers:
+                if self.use_distributed_optimizer:
+                    raise MegatronConfigError(
+                        "use_distributed_optimizer=True with MoE layers is not supported yet; "
+                        "use use_distributed_optimizer=False with ep > 1."
+                    )
+                self.expert_grad_buffer = moe.make_expert_grad_buffer(
+                    module, ps, grad_reduce_in_fp32=self.grad_reduce_in_fp32, bucket_numel=self.bucket_numel,
+                    overlap_grad_reduce=self.overlap_grad_reduce,
+                )
             self.setup_optimizers(trainer)
             ddp_integration.wrap_optimizers(self)
         self.setup_precision_plugin()
@@ -352,11 +368,25 @@ class MegatronStrategy(DDPStrategy):
         return result
 
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        module = self.lightning_module
+        if self.num_moe_layers:  # the injected aux-loss gradient is scaled like the main loss
+            scaler = loss_scaler(self.precision_plugin)
+            moe.set_aux_loss_scale(module, moe.aux_loss_scale(
+                module.trainer.accumulate_grad_batches,
+                self.num_microbatches if self.pipeline is not None else 1,
+                scaler.get_scale() if scaler is not None else 1.0,
+            ))
         if self.pipeline is None:
-            return super().training_step(*args, **kwargs)
-        args, kwargs = self.precision_plugin.convert_input((args, kwargs))
-        with self.precision_plugin.train_step_context():
-            return self._pipelined("training_step", args, kwargs)
+            out = super().training_step(*args, **kwargs)
+        else:
+            args, kwargs = self.precision_plugin.convert_input((args, kwargs))
+            with self.precision_plugin.train_step_context():
+                out = self._pipelined("training_step", args, kwargs)
+        if self.num_moe_layers:  # every pipeline rank joins, so no rank waits alone
+            value = moe.collect_aux_losses(module, group=self._state().pp_group, device=self.root_device)
+            if value is not None:
+                module.log("moe_aux_loss", value)
+        return out
 
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
         self._doing(f"validation_step (batch {args[1] if len(args) > 1 else '?'})")
@@ -407,33 +437,46 @@ class MegatronStrategy(DDPStrategy):
 
     # ------------------------------------------------------------------ optimization
     def optimizer_step(self, optimizer, closure: Callable[[], Any], model=None, **kwargs: Any) -> Any:
-        buffer = self.grad_buffer
+        buffer, experts = self.grad_buffer, self.expert_grad_buffer
 
         def closure_then_reduce() -> Any:
             with ddp_integration.last_microbatch(self):
-                result = closure()
+                if experts is not None and self.overlap_grad_reduce:
+                    with experts.last_microbatch(ddp_integration.backward_passes(self)):
+                        result = closure()
+                else:
+                    result = closure()
             step = self.lightning_module.trainer.global_step if self.lightning_module is not None else "?"
             self._doing(f"gradient reduction and optimizer step {step}")
             if buffer is not None and buffer.has_grads:
                 if self.detect_anomalies and not self._grads_finite_everywhere(buffer):
-                    buffer.zero()  # every rank skips (or raises) together
+                    for b in (buffer, experts):  # every rank skips (or raises) together
+                        if b is not None:
+                            b.zero()
                     return result
                 if self._sp_params:  # replicated params in sequence-split regions: sum over TP
                     allreduce_sequence_parallel_grads(self._sp_params, self._state().tp_group)
                 self._sync_tied_embedding_grads()
                 # once per optimizer step, after every microbatch/accumulation step
                 ddp_integration.finish_grad_sync(self)
+                if experts is not None and experts.has_grads:
+                    experts.reduce()  # over expert-DP, scaled so experts match the one-device model
+                    experts.expose_grads()
             return result
 
         try:
             return super().optimizer_step(optimizer, closure_then_reduce, model, **kwargs)
         finally:
-            if buffer is not None:
-                buffer.zero()
+            for b in (buffer, experts):
+                if b is not None:
+                    b.zero()
 
     def _grads_finite_everywhere(self, buffer: GradientBuffer) -> bool:
         """Agree over all ranks whether any gradient is NaN/inf; report which ranks and the step."""
-        finite = all(bool(torch.isfinite(b).all()) for b in buffer.buffers.values())
+        flats = list(buffer.buffers.values())
+        if self.expert_grad_buffer is not None:
+            flats += list(self.expert_grad_buffer.buffers.values())
+        finite = all(bool(torch.isfinite(b).all()) for b in flats)
         local = torch.tensor([0.0 if finite else 1.0], device=self.root_device)
         flags = [torch.zeros_like(local) for _ in range(self.world_size)]
         dist.all_gather(flags, local)
@@ -460,7 +503,15 @@ class MegatronStrategy(DDPStrategy):
     def _clip_grad_by_norm(self, optimizer, clip_val: Union[int, float]) -> None:
         """Clip by the true global norm: TP shards and PP stages each once, TP-replicated
         parameters and the last stage's tied-embedding copy not twice (see ddp.integration)."""
-        ddp_integration.clip_grad_by_norm(self, optimizer, clip_val)
+        if not self.num_moe_layers:
+            ddp_integration.clip_grad_by_norm(self, optimizer, clip_val)
+            return
+        optimizer = getattr(optimizer, "_optimizer", optimizer)  # a LightningOptimizer
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        moe.clip_grad_norm_with_experts(
+            params, float(clip_val), parallel_state=self._state(),
+            dense_counts_here=ddp_integration.grad_counts_here(self),
+        )
 
     # ------------------------------------------------------------------ collectives for Lightning
     def reduce(self, tensor, group: Optional[Any] = None, reduce_op: Optional[Union[str, Any]] = "mean"):
@@ -481,7 +532,7 @@ class MegatronStrategy(DDPStrategy):
     # ------------------------------------------------------------------ checkpoints
     def _layout_record(self) -> dict[str, Any]:
         lay = self.layout
-        return {"world_size": lay.world_size, "tp": lay.tp, "pp": lay.pp, "dp": lay.dp, "cp": lay.cp, "ep": lay.ep, "order": lay.order}
+        return {"world_size": lay.world_size, "tp": lay.tp, "pp": lay.pp, "dp": lay.dp, "cp": lay.cp, "ep": lay.ep, "etp": lay.etp, "order": lay.order}
 
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath, storage_options: Optional[Any] = None) -> None:
         """Collective: every rank writes its own shards into the DCP checkpoint directory ``filepath``.
@@ -511,9 +562,10 @@ class MegatronStrategy(DDPStrategy):
         if self.watchdog is not None:
             self.watchdog.stop()
             self.watchdog = None
-        if self.grad_buffer is not None:
-            self.grad_buffer.remove()
-            self.grad_buffer = None
+        for b in (self.grad_buffer, self.expert_grad_buffer):
+            if b is not None:
+                b.remove()
+        self.grad_buffer = self.expert_grad_buffer = None
         super().teardown()
 
 

@@ -5,6 +5,7 @@ embeddings are tied, and the loss is a plain ``F.cross_entropy`` over the vocabu
 under tensor parallelism runs vocab-parallel without gathering the logits.
 
     python examples/pretrain_gpt.py --tp 2 --devices 2 --max-steps 40
+    python examples/pretrain_gpt.py --tp 2 --pp 2 --vp 2 --devices 4 --max-steps 40
     python examples/pretrain_gpt.py --text-file my_corpus.txt --tp 2 --devices 4
     python examples/pretrain_gpt.py --num-experts 4 --top-k 2 --ep 2 --devices 2   # mixture of experts
 """
@@ -129,7 +130,10 @@ class GPT(L.LightningModule):
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--text-file", type=Path, help="a local UTF-8 text file (default: a built-in paragraph)")
-    p.add_argument("--tp", type=int, default=1)
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel size")
+    p.add_argument("--pp", type=int, default=1, help="pipeline-parallel size (--n-layer must divide by pp·vp)")
+    p.add_argument("--vp", type=int, default=None, help="virtual stages per rank: the interleaved schedule")
+    p.add_argument("--num-microbatches", type=int, default=None, help="per batch under pp (default: pp)")
     p.add_argument("--num-experts", type=int, default=None, help="replace every MLP by a mixture of this many experts")
     p.add_argument("--top-k", type=int, default=2, help="experts per token (with --num-experts)")
     p.add_argument("--ep", type=int, default=1, help="expert-parallel size")
@@ -160,7 +164,10 @@ def main() -> None:
         from megastrategy import MegatronStrategy
 
         plan = {k: v for k, v in GPT.TP_PLAN.items() if not (args.num_experts and k.startswith("blocks.*.fc_"))}
-        strategy = MegatronStrategy(tp=args.tp, tp_plan=plan, ep=args.ep, etp=args.etp)
+        strategy = MegatronStrategy(
+            tp=args.tp, pp=args.pp, vp=args.vp, num_microbatches=args.num_microbatches,
+            tp_plan=plan, ep=args.ep, etp=args.etp,
+        )
     else:
         strategy = "ddp"
     trainer = L.Trainer(
@@ -182,7 +189,7 @@ def main() -> None:
     if trainer.is_global_zero:
         metrics = trainer.callback_metrics
         print(
-            f"done: {args.max_steps} steps, tp={args.tp}, devices={args.devices}; "
+            f"done: {args.max_steps} steps, tp={args.tp} pp={args.pp} vp={args.vp}, devices={args.devices}; "
             f"train_loss={float(metrics['train_loss']):.3f} "
             f"val_loss={float(metrics['val_loss']):.3f} val_ppl={math.exp(float(metrics['val_loss'])):.2f}"
         )

@@ -50,3 +50,23 @@ def test_nan_gradient_with_raise_stops_every_rank_consistently():
     results = _job(1, "nan", layout=("--tp", "2"), nprocs=2, extra=("--on-nonfinite", "raise"))
     assert all(code not in (None, 0) for code, _, _ in results)
     assert all("non-finite gradients on rank(s) [1] at step 2" in out for _, out, _ in results)
+
+
+def test_a_kill_during_a_checkpoint_write_leaves_the_previous_checkpoint_loadable(tmp_path):
+    from megastrategy.checkpoint import consolidate
+    from tests.helpers.launch import run_script
+
+    ckpts = tmp_path / "ckpts"
+    common = ["--model", "gpt", "--strategy", "megatron", "--user-plan", "--tp", "2", "--n-train", "16", "--steps", "4",
+              "--ckpt-dir", str(ckpts), "--heartbeat-timeout", "5"]
+    results = run_script_to_the_end(SCRIPT, 2, common + ["--epochs", "3", "--fail-rank", "1", "--fail-step", "1",
+                                                         "--fail-how", "kill-in-save"], timeout=240)
+    assert all(code is not None for code, _, _ in results), "a rank hung"
+    assert results[1][0] == -9 and results[0][0] != 0
+    first = ckpts / "epoch=0-step=4.ckpt"
+    assert (first / ".metadata").is_file(), sorted(p.name for p in ckpts.iterdir())
+    for p in ckpts.iterdir():  # nothing half-written is visible under a final name
+        assert p.name.endswith(".tmp") or (p / ".metadata").is_file(), p
+    assert "wte.weight" in consolidate(first)
+    resumed = run_script(SCRIPT, 2, common + ["--epochs", "2", "--resume", str(first)])
+    assert len(resumed["train_loss"]) == 4  # the second epoch ran from the surviving checkpoint

@@ -52,6 +52,15 @@ class FaultInjector(Callback):
 
             os.kill(os.getpid(), signal.SIGKILL)
 
+    def on_save_checkpoint(self, trainer, pl_module, checkpoint):
+        # "kill-in-save": die while the --fail-step'th checkpoint (0-based) is being written
+        self.saves = getattr(self, "saves", -1) + 1
+        if self.how == "kill-in-save" and trainer.global_rank == self.rank and self.saves == self.step:
+            import signal
+            import threading
+
+            threading.Timer(0.05, lambda: os.kill(os.getpid(), signal.SIGKILL)).start()
+
     def on_after_backward(self, trainer, pl_module):
         if self._mine(trainer) and self.how == "nan":
             p = next(q for q in pl_module.parameters() if q.requires_grad)
@@ -77,7 +86,7 @@ def main() -> None:
     p.add_argument("--eval", action="store_true", help="after fit: validate, test and predict")
     p.add_argument("--fail-rank", type=int, help="fault injection: this global rank fails")
     p.add_argument("--fail-step", type=int, default=2)
-    p.add_argument("--fail-how", choices=["raise", "kill", "nan"], default="raise")
+    p.add_argument("--fail-how", choices=["raise", "kill", "nan", "kill-in-save"], default="raise")
     p.add_argument("--on-nonfinite", choices=["skip", "raise"], help="MegatronStrategy(detect_anomalies=True, on_nonfinite=...)")
     p.add_argument("--precision", default="32-true")
     p.add_argument("--heartbeat-timeout", type=float, default=60.0)

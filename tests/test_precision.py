@@ -1,20 +1,46 @@
 """Mixed precision with the strategy, against Lightning's own DDP at the same precision."""
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
+import torch
+from torch import nn
 
+from megastrategy.precision import install_overflow_agreement
+from tests.helpers.dist import run_distributed
 from tests.helpers.launch import run_script
 
 SCRIPT = Path(__file__).parent / "scripts" / "train.py"
-pytestmark = pytest.mark.slow
-BF16_TOL = 3e-2  # bf16 keeps 8 bits of mantissa; TP changes the order of partial sums
+BF16_REL_TOL = 1e-2  # bf16 keeps 8 bits of mantissa; TP changes the order of partial sums
 
 
-@pytest.mark.parametrize("precision, tol", [("bf16-mixed", BF16_TOL), ("16-mixed", 5e-3)])
-def test_mixed_precision_tp2_pp2_matches_ddp(precision, tol):
-    args = ["--model", "gpt", "--user-plan", "--layers", "4", "--steps", "6", "--precision", precision]
+@pytest.mark.slow
+def test_bf16_mixed_tp2_pp2_matches_ddp():
+    args = ["--model", "gpt", "--user-plan", "--layers", "4", "--steps", "6", "--precision", "bf16-mixed"]
     ours = run_script(SCRIPT, 4, args + ["--strategy", "megatron", "--tp", "2", "--pp", "2"], timeout=400)
     ref = run_script(SCRIPT, 1, args + ["--strategy", "ddp"], timeout=400)
-    diffs = [abs(a - b) for a, b in zip(ours["train_loss"], ref["train_loss"])]
-    assert len(diffs) == 6 and max(diffs) < tol, (ours["train_loss"], ref["train_loss"])
+    rel = [abs(a - b) / abs(b) for a, b in zip(ours["train_loss"], ref["train_loss"])]
+    assert len(rel) == 6 and max(rel) < BF16_REL_TOL, (ours["train_loss"], ref["train_loss"])
     assert ref["train_loss"][-1] < ref["train_loss"][0]
+
+
+def _one_rank_overflows(rank, world_size):
+    # Lightning runs "16-mixed" as bf16 on CPU, so the GradScaler path is exercised directly.
+    scaler = torch.amp.GradScaler("cpu", init_scale=8.0)
+    plugin = SimpleNamespace(scaler=scaler, _after_closure=lambda model, optimizer: None)
+    install_overflow_agreement(plugin)
+    p = nn.Parameter(torch.ones(2))
+    opt = torch.optim.SGD([p], lr=0.1)
+    scaler.scale(torch.ones(()))  # a real step scales its loss first
+    p.grad = torch.full((2,), float("inf") if rank == 1 else 8.0)
+    scaler.unscale_(opt)
+    plugin._after_closure(None, opt)  # where Lightning calls it: after unscaling, before the step
+    scaler.step(opt)
+    scaler.update()
+    return p.detach().tolist(), scaler.get_scale()
+
+
+def test_an_overflow_on_one_rank_skips_the_step_on_every_rank():
+    for params, scale in run_distributed(_one_rank_overflows, 2):
+        assert params == [1.0, 1.0]  # no rank stepped
+        assert scale == 4.0  # and every rank halved its scale

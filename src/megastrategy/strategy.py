@@ -240,9 +240,7 @@ class MegatronStrategy(DDPStrategy):
         else:
             found = self.watchdog.report_failure(exception)
         if self.global_rank == 0:  # the store lives here: let peers read the record before it goes
-            import time
-
-            time.sleep(4 * self.watchdog.poll_interval)
+            self.watchdog.linger_until_acknowledged(timeout=self.heartbeat_timeout + 10)
         if found and hasattr(exception, "add_note"):
             exception.add_note(f"[megastrategy] {found}")
 

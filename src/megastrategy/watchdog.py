@@ -26,6 +26,10 @@ def _heartbeat_key(rank: int) -> str:
     return f"megastrategy/heartbeat/{rank}"
 
 
+def _ack_key(rank: int) -> str:
+    return f"megastrategy/failure-read/{rank}"
+
+
 class FailureWatchdog:
     """Heartbeats and failure records over a ``torch.distributed`` store.
 
@@ -89,6 +93,29 @@ class FailureWatchdog:
         except Exception:  # noqa: BLE001 - the store may already be gone at shutdown
             pass
 
+    def acknowledge(self) -> None:
+        """Tell the store host that this rank has the failure record and is stopping."""
+        try:
+            self.store.set(_ack_key(self.rank), "1")
+        except Exception:  # noqa: BLE001 - best effort
+            pass
+
+    def linger_until_acknowledged(self, timeout: float) -> None:
+        """On the rank that hosts the store: stay until every other rank has read the failure
+        record (or is dead or done), so none of them is left to guess."""
+        deadline = time.monotonic() + timeout
+        waiting = set(range(self.world_size)) - {self.rank}
+        while waiting and time.monotonic() < deadline:
+            for peer in list(waiting):
+                try:
+                    acked = self.store.check([_ack_key(peer)])
+                    done = self.store.check([_heartbeat_key(peer)]) and self.store.get(_heartbeat_key(peer)) == _DONE.encode()
+                except Exception:  # noqa: BLE001
+                    return
+                if acked or done or peer in self._stale_peers():
+                    waiting.discard(peer)
+            time.sleep(self.poll_interval / 2)
+
     def wait_for_diagnosis(self, timeout: float) -> Optional[str]:
         """After losing a peer (connection closed), give the heartbeats time to name the lost rank."""
         deadline = time.monotonic() + timeout
@@ -109,6 +136,7 @@ class FailureWatchdog:
                 self.store.compare_set(FAILURE_KEY, "", message)
             current = self._read_failure()
             self.failure = current or message
+            self.acknowledge()
         except Exception:  # noqa: BLE001 - store unreachable: at least keep the local message
             self.failure = message
         return self.failure
@@ -151,6 +179,7 @@ class FailureWatchdog:
         )
 
     def _stop_here(self, failure: str) -> None:
+        self.acknowledge()
         sys.stderr.write(
             f"\n[megastrategy] stopping {self.describe_rank(self.rank)} (was {self.activity}) because {failure}\n"
         )

@@ -187,6 +187,12 @@ def main() -> None:
     result["skipped_steps"] = getattr(strategy, "skipped_steps", 0)
     if trainer.is_global_zero:
         Path(args.out).write_text(json.dumps(result))
+    # Leave without running C++ static destructors: gloo's threads can abort the process at
+    # interpreter exit ("terminate called without an active exception") after a clean run.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    torch.distributed.barrier() if torch.distributed.is_initialized() else None
+    os._exit(0)
 
 
 if __name__ == "__main__":

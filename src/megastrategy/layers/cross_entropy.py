@@ -144,8 +144,9 @@ def vocab_parallel_cross_entropy(
     ``[vocab_start, vocab_start + local_vocab)``; ids ``>= vocab_size`` are padding.
     ``target`` [...] holds class indices (identical on every rank of ``group``).
     Returns what ``F.cross_entropy(full_logits.view(-1, V), target.view(-1), ...)`` would
-    (shape ``target.shape`` for ``reduction="none"``), in the logits' dtype; the math
-    runs in float32 for half/bfloat16 logits. Targets outside ``[0, vocab_size)`` that are
+    (shape ``target.shape`` for ``reduction="none"``), in the logits' dtype (float32 under
+    autocast, as autocast does for cross entropy); the math runs in float32 for half/bfloat16
+    logits. Targets outside ``[0, vocab_size)`` that are
     not ``ignore_index`` are not checked (that would need a host sync).
     """
     if reduction not in _REDUCTIONS:
@@ -159,6 +160,9 @@ def vocab_parallel_cross_entropy(
         )
     local_logits = _plain(local_logits)
     target = _plain(target)
+    if torch.is_autocast_enabled(local_logits.device.type) and local_logits.dtype != torch.float32:
+        # Autocast runs cross entropy in float32 (its output too); do what F.cross_entropy would.
+        local_logits = local_logits.float()
     return _VocabParallelCrossEntropy.apply(
         local_logits, target, int(vocab_start), int(vocab_size), group, int(ignore_index),
         reduction, float(label_smoothing),

@@ -290,13 +290,17 @@ def run_lightning(cfg: dict[str, Any], module, pool) -> dict[str, Any]:
                               "strategy_class": type(trainer.strategy).__name__}
     s = trainer.strategy
     if driver == "lightning":
-        result["backend_in_use"] = s.backend_in_use
-        report = s.te_report
+        from megastrategy.cuda_graphs.component import CudaGraphs
+        from megastrategy.layers.components import TransformerEngine
+
+        te, graphs = s.component(TransformerEngine), s.component(CudaGraphs)
+        result["backend_in_use"] = te.backend_in_use
+        report = te.report
         result["te_converted"] = None if report is None else len(report.converted)
         result["te_kept"] = None if report is None else len(report.kept)
-        if s.cuda_graphs is not None:
-            result["graph_counts"] = dict(s.cuda_graphs.counts())
-            rep = s.cuda_graphs.report
+        if graphs is not None and graphs.manager is not None:
+            result["graph_counts"] = dict(graphs.manager.counts())
+            rep = graphs.manager.report
             result["graph_capture"] = None if rep is None else {
                 "backend": rep.backend, "calls": len(rep.calls), "failed": rep.failed, "not_recorded": rep.not_recorded}
     return result

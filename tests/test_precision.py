@@ -1,12 +1,11 @@
 """Mixed precision with the strategy, against Lightning's own DDP at the same precision."""
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 import torch
 from torch import nn
 
-from megastrategy.precision import install_overflow_agreement
+from megastrategy.precision import adopt_precision_plugin
 from tests.helpers.dist import run_distributed
 from tests.helpers.launch import run_script
 
@@ -37,11 +36,18 @@ def test_bf16_true_tp2_pp2_updates_fp32_main_weights_and_tracks_fp32_ddp():
     assert len(rel) == 6 and max(rel) < 2 * BF16_REL_TOL, (ours["train_loss"], fp32["train_loss"])
 
 
+class _PlainPlugin:  # the part of a Lightning precision plugin the agreement touches
+    def __init__(self, scaler):
+        self.scaler = scaler
+
+    def _after_closure(self, model, optimizer):
+        pass
+
+
 def _one_rank_overflows(rank, world_size):
     # Lightning runs "16-mixed" as bf16 on CPU, so the GradScaler path is exercised directly.
     scaler = torch.amp.GradScaler("cpu", init_scale=8.0)
-    plugin = SimpleNamespace(scaler=scaler, _after_closure=lambda model, optimizer: None)
-    install_overflow_agreement(plugin)
+    plugin = adopt_precision_plugin(_PlainPlugin(scaler), clip_norm=None, clip_value=None)
     p = nn.Parameter(torch.ones(2))
     opt = torch.optim.SGD([p], lr=0.1)
     scaler.scale(torch.ones(()))  # a real step scales its loss first

@@ -1,43 +1,75 @@
-"""Mixed precision under model parallelism.
+"""Lightning's precision plugins under model parallelism, by subclassing rather than patching.
 
-Lightning's precision plugins work unchanged for ``bf16-mixed`` (autocast) because gradients
-accumulate in the fp32 buffer anyway. Dynamic loss scaling (``16-mixed``) needs one more
-guarantee: the decision to skip a step after an overflow must be the same on every rank,
-or the shards of one model drift apart. Each rank only sees its own shards' gradients, so the
-overflow flags are OR-ed over all ranks before the scaler decides.
+Lightning's plugins work unchanged for ``bf16-mixed`` (autocast) because gradients accumulate in
+the fp32 buffer anyway. Two things must change, and :func:`adopt_precision_plugin` gives the
+user's plugin a subclass (mixing in :class:`ModelParallelPrecision`) that changes them:
+
+* clipping must see the whole model, not this rank's shards: it is delegated to the strategy's
+  gradient owner, which computes the true global norm;
+* with dynamic loss scaling (``16-mixed``) the decision to skip a step after an overflow must be
+  the same on every rank, or the shards of one model drift apart. Each rank only sees its own
+  shards' gradients, so the overflow flags are OR-ed over all ranks before the scaler decides.
 """
 from __future__ import annotations
 
-from typing import Optional
+import functools
+from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
+
+__all__ = ["ModelParallelPrecision", "adopt_precision_plugin", "agree_on_overflow", "loss_scaler"]
+
+Clip = Callable[[Any, float], Any]
 
 
 def loss_scaler(precision_plugin) -> Optional["torch.amp.GradScaler"]:
     return getattr(precision_plugin, "scaler", None)
 
 
-def install_overflow_agreement(precision_plugin, group: Optional[dist.ProcessGroup] = None) -> None:
-    """Make ``precision_plugin``'s GradScaler skip a step on every rank when any rank overflowed.
+def agree_on_overflow(scaler: "torch.amp.GradScaler", optimizer: Any, group: Optional[dist.ProcessGroup] = None) -> None:
+    """After unscaling: mark an overflow on every rank when any rank found one (collective)."""
+    state = scaler._per_optimizer_states[id(optimizer)]
+    found = list(state["found_inf_per_device"].values())
+    device = found[0].device if found else torch.device("cpu")
+    flag = torch.stack([f.float() for f in found]).sum().reshape(1) if found else torch.zeros(1, device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+    for f in found:
+        f.fill_(float(flag.item() > 0))
 
-    Lightning unscales, then calls ``_after_closure`` (hooks, clipping), then lets the scaler step;
-    the agreement is inserted at the start of ``_after_closure`` so clipping sees it too.
-    """
-    scaler = loss_scaler(precision_plugin)
-    if scaler is None or getattr(precision_plugin, "_megastrategy_overflow_agreement", False):
-        return
-    original = precision_plugin._after_closure
 
-    def after_closure(model, optimizer) -> None:
-        state = scaler._per_optimizer_states[id(optimizer)]
-        found = list(state["found_inf_per_device"].values())
-        device = found[0].device if found else torch.device("cpu")
-        flag = torch.stack([f.float() for f in found]).sum().reshape(1) if found else torch.zeros(1, device=device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
-        for f in found:
-            f.fill_(float(flag.item() > 0))
-        original(model, optimizer)
+class ModelParallelPrecision:
+    """Mixed into the user's precision plugin class (see :func:`adopt_precision_plugin`)."""
 
-    precision_plugin._after_closure = after_closure
-    precision_plugin._megastrategy_overflow_agreement = True
+    _megatron_clip_norm: Optional[Clip] = None
+    _megatron_clip_value: Optional[Clip] = None
+    _megatron_overflow_group: Optional[dist.ProcessGroup] = None
+
+    def clip_grad_by_norm(self, optimizer: Any, clip_val: float) -> None:
+        self._megatron_clip_norm(optimizer, clip_val)
+
+    def clip_grad_by_value(self, optimizer: Any, clip_val: float) -> None:
+        self._megatron_clip_value(optimizer, clip_val)
+
+    def _after_closure(self, model: Any, optimizer: Any) -> None:
+        # Lightning unscales, then calls this (hooks, clipping), then lets the scaler step.
+        scaler = loss_scaler(self)
+        if scaler is not None:
+            agree_on_overflow(scaler, optimizer, self._megatron_overflow_group)
+        super()._after_closure(model, optimizer)
+
+
+@functools.lru_cache(maxsize=None)
+def _model_parallel_class(base: type) -> type:
+    if issubclass(base, ModelParallelPrecision):
+        return base
+    return type(f"ModelParallel{base.__name__}", (ModelParallelPrecision, base), {"__module__": __name__})
+
+
+def adopt_precision_plugin(plugin: Any, *, clip_norm: Optional[Clip], clip_value: Optional[Clip],
+                           overflow_group: Optional[dist.ProcessGroup] = None) -> Any:
+    """Give ``plugin`` the model-parallel subclass of its own class; returns it (same object)."""
+    plugin.__class__ = _model_parallel_class(type(plugin))
+    plugin._megatron_clip_norm, plugin._megatron_clip_value = clip_norm, clip_value
+    plugin._megatron_overflow_group = overflow_group
+    return plugin

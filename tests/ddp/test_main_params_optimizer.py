@@ -66,22 +66,26 @@ def test_the_strategy_wraps_optimizers_only_for_half_parameters_and_refuses_moe(
 
     import pytest
 
-    from megastrategy.ddp.integration import wrap_optimizers
+    from megastrategy.ddp.optimizer_wrapping import wrap_optimizers
+
+    def wrap(s):  # the strategy's call, with the values it passes
+        s.optimizers = wrap_optimizers(s.optimizers, s.grad_buffer, distributed=s.use_distributed_optimizer,
+                                       with_experts=s.expert_grad_buffer is not None)
     from megastrategy.errors import MegatronConfigError
 
     model, buffer, _ = _model_and_optimizer()
     user = torch.optim.AdamW(model.parameters())
     strategy = SimpleNamespace(grad_buffer=buffer, use_distributed_optimizer=False, optimizers=[user],
                                expert_grad_buffer=None)
-    wrap_optimizers(strategy)
+    wrap(strategy)
     assert isinstance(strategy.optimizers[0], MainParamsOptimizer) and strategy.optimizers[0].param_groups is user.param_groups
 
     fp32 = nn.Linear(2, 2)
     plain = SimpleNamespace(grad_buffer=GradientBuffer(list(fp32.parameters()), group=None), optimizers=[user],
                             use_distributed_optimizer=False, expert_grad_buffer=None)
-    wrap_optimizers(plain)
+    wrap(plain)
     assert plain.optimizers == [user]  # fp32 parameters: the user's optimizer as it is
 
     strategy.optimizers, strategy.expert_grad_buffer = [user], object()
     with pytest.raises(MegatronConfigError, match=r"bf16-true.*MoE.*bf16-mixed"):
-        wrap_optimizers(strategy)
+        wrap(strategy)

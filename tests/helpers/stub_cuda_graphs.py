@@ -88,18 +88,19 @@ def strategy_with_stub_graphs(**kwargs):
     the strategy's wiring (schedule callbacks, warm-up, capture, replay) is exercised end to end;
     only the graphing function and the CUDA device check are replaced."""
     from megastrategy import MegatronStrategy
+    from megastrategy.cuda_graphs.component import CudaGraphs
 
-    class StubGraphsStrategy(MegatronStrategy):
-        def _resolve_device_features(self) -> None:
-            scope, self.cuda_graph_scope = self.cuda_graph_scope, ()
-            try:
-                super()._resolve_device_features()
-            finally:
-                self.cuda_graph_scope = scope
+    class StubCudaGraphs(CudaGraphs):
+        def check_device(self, device) -> None:
+            pass  # graphs run on CPU here, through the stub
 
-        def _make_cuda_graphs(self, module):
-            manager = super()._make_cuda_graphs(module)
+        def make_manager(self, module, ctx):
+            manager = super().make_manager(module, ctx)
             manager.graph_fn = StubGraphFn(tracker=manager.tracker)
             return manager
+
+    class StubGraphsStrategy(MegatronStrategy):
+        def build_components(self, config):
+            return [StubCudaGraphs(config) if type(c) is CudaGraphs else c for c in super().build_components(config)]
 
     return StubGraphsStrategy(**kwargs)

@@ -195,9 +195,11 @@ def main() -> None:
         result["test"] = trainer.test(module, verbose=False)[0]["test_loss"]
         preds = trainer.predict(module)
         result["predict"] = [float(x) for p in preds for x in p.reshape(-1)]
-    result["skipped_steps"] = getattr(strategy, "skipped_steps", 0)
+    component = getattr(strategy, "component", lambda kind: None)
+    guard = component(_component_type("ddp.nonfinite_guard", "NonFiniteGuard"))
+    result["skipped_steps"] = guard.skipped_steps if guard is not None else 0
     result["optimizer"] = type(trainer.optimizers[0]).__name__
-    graphs = getattr(strategy, "cuda_graphs", None)
+    graphs = getattr(component(_component_type("cuda_graphs.component", "CudaGraphs")), "manager", None)
     if graphs is not None:
         result["cuda_graph_counts"] = dict(graphs.counts())
     result["param_dtypes"] = sorted({str(p.dtype) for p in module.parameters()})
@@ -209,6 +211,12 @@ def main() -> None:
     sys.stderr.flush()
     torch.distributed.barrier() if torch.distributed.is_initialized() else None
     os._exit(0)
+
+
+def _component_type(module: str, name: str):
+    import importlib
+
+    return getattr(importlib.import_module(f"megastrategy.{module}"), name)
 
 
 if __name__ == "__main__":

@@ -18,9 +18,11 @@ restores the optimizers, i.e. after ``setup`` created them, for the layout then 
 """
 from __future__ import annotations
 
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
 
 from megastrategy.checkpoint.dcp_io import PathLike
+from megastrategy.checkpoint.resume import ExactResume
 from megastrategy.checkpoint.sharded import (
     DeferredOptimizerStates,
     load_full_model_state,
@@ -35,41 +37,57 @@ from megastrategy.checkpoint.sharded import (
 _TENSOR_KEYS = ("state_dict", "optimizer_states")
 
 
-def save_lightning_checkpoint(strategy: Any, checkpoint: dict[str, Any], filepath: PathLike) -> None:
+@dataclass
+class CheckpointSite:
+    """What saving and loading need to know about the running job (explicit values, no strategy)."""
+
+    module: Any
+    parallel_state: Any
+    optimizers: Callable[[], list]
+    layout_record: dict[str, Any]
+    global_rank: int
+    is_coordinator: bool
+    barrier: Callable[[], None]
+    exact_resume: ExactResume
+    plan: Any = None
+    stack_path: Optional[str] = None
+    rng_tracker: Any = None
+
+
+def save_lightning_checkpoint(site: CheckpointSite, checkpoint: dict[str, Any], filepath: PathLike) -> None:
     """Collective: every rank writes its shards of ``checkpoint`` into the directory ``filepath``."""
-    module = strategy.lightning_module
+    module = site.module
     with_optim = "optimizer_states" in checkpoint
-    stage = getattr(strategy, "stage", None)
     save_sharded(
         filepath,
         module=module,
-        parallel_state=strategy.parallel_state,
-        optimizers=list(strategy.optimizers) if with_optim else None,
+        parallel_state=site.parallel_state,
+        optimizers=site.optimizers() if with_optim else None,
         optimizer_states=list(checkpoint["optimizer_states"]) if with_optim else None,
         lightning={k: v for k, v in checkpoint.items() if k not in _TENSOR_KEYS},
-        plan=getattr(strategy, "resolved_plan", None),
-        stack_path=stage.stack_path if stage is not None else None,
-        layout_record=strategy._layout_record(),
-        is_coordinator=strategy.is_global_zero,
-        barrier=lambda: strategy.barrier("megastrategy.save_checkpoint"),
-        rank_state=strategy.exact_resume.rank_state(strategy.rng_tracker, getattr(module, "_trainer", None)),
+        plan=site.plan,
+        stack_path=site.stack_path,
+        layout_record=site.layout_record,
+        is_coordinator=site.is_coordinator,
+        barrier=site.barrier,
+        rank_state=site.exact_resume.rank_state(site.rng_tracker, getattr(module, "_trainer", None)),
     )
 
 
-def load_lightning_checkpoint(strategy: Any, path: PathLike) -> dict[str, Any]:
+def load_lightning_checkpoint(site: CheckpointSite, path: PathLike) -> dict[str, Any]:
     """Lightning's checkpoint dict for ``path``, on any layout (see the module docstring)."""
     info = read_info(path)
     checkpoint = read_lightning_metadata(path)
-    module = strategy.lightning_module
+    module = site.module
     trainer = getattr(module, "_trainer", None)
     if trainer is not None and trainer.state.fn == "fit":  # random streams and loader position for the restart
-        saved, here = info.get("layout"), strategy._layout_record()
-        strategy.exact_resume.load(
-            read_rank_state(path, strategy.global_rank), same_layout=saved == here, describe=f"{saved} -> {here}"
+        saved, here = info.get("layout"), site.layout_record
+        site.exact_resume.load(
+            read_rank_state(path, site.global_rank), same_layout=saved == here, describe=f"{saved} -> {here}"
         )
     if getattr(module, "_megastrategy_sharded", False):
         strict = bool(getattr(module, "strict_loading", True))
-        load_model_(path, module, strategy.parallel_state, plan=getattr(strategy, "resolved_plan", None), strict=strict)
+        load_model_(path, module, site.parallel_state, plan=site.plan, strict=strict)
         checkpoint["state_dict"] = module.state_dict()
     else:
         checkpoint["state_dict"] = load_full_model_state(path)
@@ -77,12 +95,6 @@ def load_lightning_checkpoint(strategy: Any, path: PathLike) -> dict[str, Any]:
     if count is not None:  # None: a weights-only checkpoint
         checkpoint["optimizer_states"] = DeferredOptimizerStates(
             count,
-            lambda: load_optimizer_states(
-                path,
-                strategy.lightning_module,
-                list(strategy.optimizers),
-                strategy.parallel_state,
-                plan=getattr(strategy, "resolved_plan", None),
-            ),
+            lambda: load_optimizer_states(path, site.module, site.optimizers(), site.parallel_state, plan=site.plan),
         )
     return checkpoint

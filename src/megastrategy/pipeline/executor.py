@@ -36,10 +36,23 @@ from torch import Tensor
 
 from megastrategy.pipeline.p2p import PipelineCommunicator, RecvHandle
 
-__all__ = ["PipelineExecutor"]
+__all__ = ["PipelineExecutor", "LocalCommunicator"]
 
 ForwardStep = Callable[[int, int, "Tensor | None"], Tensor]
 StepCallback = Callable[[int, int], None]  # (chunk, microbatch)
+
+
+class LocalCommunicator:
+    """The communicator of a one-stage schedule (``pp=1``): there is no neighbour to talk to."""
+
+    pp_size = 1
+    pp_rank = 0
+
+    def send_and_irecv(self, *args, **kwargs) -> RecvHandle:
+        raise RuntimeError("a one-stage schedule has no neighbouring stage to send to or receive from.")
+
+    def wait_all(self) -> None:
+        pass
 
 
 class PipelineExecutor:
@@ -140,6 +153,7 @@ class PipelineExecutor:
         loss_scale: float = 1.0,
         on_forward: StepCallback | None = None,
         on_backward: StepCallback | None = None,
+        backward_fn: Callable[[Tensor], None] | None = None,
     ) -> list:
         """Run ``steps`` (this rank's schedule); return the last virtual stage's outputs.
 
@@ -153,6 +167,9 @@ class PipelineExecutor:
         complete (its input gradient sent): code that keeps per-microbatch state inside the
         model, such as the static buffers of CUDA graphs (:mod:`megastrategy.cuda_graphs`),
         learns which microbatch is running and when its state may be reused.
+
+        ``backward_fn(loss)`` replaces ``torch.autograd.backward(loss)`` for the last virtual
+        stage's (scaled) loss: a one-stage run lets Lightning's own backward do it.
         """
         plan = self._check_steps(steps, num_microbatches, forward_only)
         comm = self.comm
@@ -231,7 +248,7 @@ class PipelineExecutor:
                         if self.overlap_p2p_comm:
                             post_until(i + 1)
                         loss = out.reshape(()) if loss_scale == 1.0 else out.reshape(()) * loss_scale
-                        torch.autograd.backward(loss)
+                        (backward_fn or torch.autograd.backward)(loss)
                         del loss
                     else:
                         grad = take_input(i)

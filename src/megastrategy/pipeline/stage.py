@@ -21,7 +21,10 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_map
 
+from megastrategy.anatomy import ModelAnatomy, find_layer_stack, get_submodule_path
 from megastrategy.errors import MegatronConfigError
+
+__all__ = ["PipelineStage", "StageBoundary", "cut_stage", "find_layer_stack", "iter_microbatches"]
 
 
 class StageBoundary(BaseException):
@@ -33,45 +36,6 @@ class StageBoundary(BaseException):
     def __init__(self, output: torch.Tensor):
         super().__init__("pipeline stage boundary")
         self.output = output
-
-
-def _get(module: nn.Module, path: str) -> nn.Module:
-    m = module
-    for part in path.split("."):
-        if not hasattr(m, part):
-            raise MegatronConfigError(
-                f"pipeline_layers={path!r}: {type(m).__name__} has no attribute {part!r}. "
-                "Give the dotted path (from the LightningModule) of the nn.ModuleList that holds the blocks, "
-                "e.g. 'model.bert.encoder.layer'."
-            )
-        m = getattr(m, part)
-    return m
-
-
-def find_layer_stack(module: nn.Module, pipeline_layers: Optional[str] = None) -> tuple[str, nn.ModuleList]:
-    """The dotted path and the ``nn.ModuleList`` of blocks to split over pipeline stages.
-
-    Without ``pipeline_layers`` this is the longest ``ModuleList`` whose entries are all of one type.
-    """
-    if pipeline_layers is not None:
-        stack = _get(module, pipeline_layers)
-        if not isinstance(stack, nn.ModuleList):
-            raise MegatronConfigError(
-                f"pipeline_layers={pipeline_layers!r} is a {type(stack).__name__}, not an nn.ModuleList; "
-                "point it at the list of transformer blocks (for example 'model.bert.encoder.layer')."
-            )
-        return pipeline_layers, stack
-    best: tuple[str, nn.ModuleList] | None = None
-    for name, m in module.named_modules():
-        if isinstance(m, nn.ModuleList) and len(m) > 0 and len({type(b) for b in m}) == 1:
-            if best is None or len(m) > len(best[1]):
-                best = (name, m)
-    if best is None:
-        raise MegatronConfigError(
-            f"{type(module).__name__} has no nn.ModuleList of identical blocks to split over pipeline stages; "
-            "keep the transformer blocks in an nn.ModuleList and pass its path as pipeline_layers='...'."
-        )
-    return best
 
 
 class LocalLayers(nn.ModuleList):
@@ -133,27 +97,6 @@ class Unreachable(nn.Module):
             f"{self._name} is registered after the pipeline layer stack but was called before the stack "
             "finished on a stage that does not own it; pipeline stages assign modules by registration order."
         )
-
-
-def _outside_modules(root: nn.Module, stack_path: str) -> tuple[list[tuple[str, nn.Module, nn.Module, str]], list]:
-    """(pre, post): the maximal subtrees registered before/after the stack, as (name, parent, module, attr)."""
-    parts = stack_path.split(".")
-    pre, post = [], []
-    parent, prefix = root, ""
-    for depth, part in enumerate(parts):
-        seen_path_child = False
-        for attr, child in parent._modules.items():
-            if child is None:
-                continue
-            name = f"{prefix}{attr}"
-            if attr == part:
-                seen_path_child = True
-                continue
-            if not any(True for _ in child.parameters()):
-                continue  # parameter-free modules (dropout, rotary tables) run everywhere
-            (post if seen_path_child else pre).append((name, parent, child, attr))
-        parent, prefix = getattr(parent, part), f"{prefix}{part}."
-    return pre, post
 
 
 @dataclass
@@ -234,25 +177,24 @@ def cut_stage(
     pp_rank: int,
     pp_size: int,
     vp_size: int,
+    anatomy: Optional[ModelAnatomy] = None,
 ) -> PipelineStage:
     """Rewrite ``module`` in place into this rank's stage and return the handle that drives it."""
+    anatomy = anatomy or ModelAnatomy.of(module, stack_path)
     chunks = assignment[pp_rank]
     stage = PipelineStage(stack_path=stack_path, chunks=chunks, pp_rank=pp_rank, pp_size=pp_size, vp_size=vp_size)
     parent_path, _, stack_attr = stack_path.rpartition(".")
-    stack_parent = _get(module, parent_path) if parent_path else module
-    pre, post = _outside_modules(module, stack_path)
-
+    stack_parent = get_submodule_path(module, parent_path) if parent_path else module
     # Parameters shared between a module before the stack and one after it (a tied embedding):
     # the first and last stages each keep a copy, kept equal by an all-reduce of their gradients.
-    pre_params = {id(p): p for _, _, m, _ in pre for p in m.parameters()}
-    stage.tied_parameters = [p for _, _, m, _ in post for p in m.parameters() if id(p) in pre_params]
+    stage.tied_parameters = list(anatomy.tied_parameters)
 
     holds_first = pp_rank == 0
     holds_last = pp_rank == pp_size - 1
-    pre_swaps_real = [_Swap(parent, attr, m) for _, parent, m, attr in pre]
-    pre_swaps_stand = [_Swap(parent, attr, MetaStandIn(m, name)) for name, parent, m, attr in pre]
-    post_swaps_real = [_Swap(parent, attr, m) for _, parent, m, attr in post]
-    post_swaps_stand = [_Swap(parent, attr, Unreachable(name)) for name, parent, m, attr in post]
+    pre_swaps_real = [_Swap(o.parent, o.attr, o.module) for o in anatomy.pre]
+    pre_swaps_stand = [_Swap(o.parent, o.attr, MetaStandIn(o.module, o.name)) for o in anatomy.pre]
+    post_swaps_real = [_Swap(o.parent, o.attr, o.module) for o in anatomy.post]
+    post_swaps_stand = [_Swap(o.parent, o.attr, Unreachable(o.name)) for o in anatomy.post]
     for s in pre_swaps_stand:
         s.module.stage_done = lambda: stage._stack_finished
 

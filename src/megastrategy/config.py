@@ -1,0 +1,135 @@
+"""One typed, frozen configuration for ``MegatronStrategy``, validated once before any group exists.
+
+Every argument rule lives here (rules that need the world size live in
+:class:`~megastrategy.parallel_state.ParallelLayout`, rules that need the model in the components'
+``validate``). :data:`CONSTRUCTOR_RULES` lists them in machine-readable form; a test checks that
+the README's error table has a row for each, so the table cannot drift from the code.
+
+Components receive this object (or the few values they need), never the strategy.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any, Mapping, NamedTuple, Optional
+
+from megastrategy.cuda_graphs.scope import validate_cuda_graph_scope
+from megastrategy.ddp.grad_buffer import DEFAULT_BUCKET_NUMEL
+from megastrategy.errors import MegatronConfigError
+from megastrategy.layers.fp8 import validate_fp8
+from megastrategy.layers.recompute import validate_recompute_mode
+from megastrategy.layers.sequence_parallel import validate_sequence_parallel
+from megastrategy.layers.te_backend import BACKENDS
+from megastrategy.parallel_state import DEFAULT_ORDER
+
+__all__ = ["MegatronConfig", "CONSTRUCTOR_RULES", "Rule"]
+
+
+class Rule(NamedTuple):
+    """One constructor rule: the argument(s) it concerns and the README error-table row naming it."""
+
+    arguments: str
+    readme_situation: str
+
+
+CONSTRUCTOR_RULES: tuple[Rule, ...] = (
+    Rule("tp, pp, cp, ep, num_microbatches", "bad argument values (`tp=0`, `tp_plan` not a dict, ...)"),
+    Rule("tp_plan", "bad argument values (`tp=0`, `tp_plan` not a dict, ...)"),
+    Rule("on_nonfinite", "bad argument values (`tp=0`, `tp_plan` not a dict, ...)"),
+    Rule("activation_checkpointing", "bad argument values (`tp=0`, `tp_plan` not a dict, ...)"),
+    Rule("ep, cp", "`ep > 1` with `cp > 1`"),
+    Rule("sequence_parallel, tp", "`sequence_parallel=True` with `tp=1`, or a model it cannot split"),
+    Rule("backend, fp8", "`backend` not `auto`/`torch`/`te`; `fp8=True` with `backend=\"torch\"`"),
+    Rule("cuda_graph_scope", "unknown `cuda_graph_scope` name, `moe_preprocess` without `moe_router`, graphs with full recompute"),
+)
+
+_NOT_YET = {"cp": "context parallelism (cp > 1)"}
+
+
+@dataclass(frozen=True)
+class MegatronConfig:
+    """What the user asked for; see :class:`~megastrategy.strategy.MegatronStrategy` for each field."""
+
+    tp: int = 1
+    pp: int = 1
+    vp: Optional[int] = None
+    cp: int = 1
+    ep: int = 1
+    etp: Optional[int] = None
+    num_microbatches: Optional[int] = None
+    tp_plan: Optional[Mapping[str, str]] = None
+    pipeline_layers: Optional[str] = None
+    order: str = DEFAULT_ORDER
+    broadcast_batch: Optional[bool] = None
+    grad_reduce_in_fp32: bool = True
+    bucket_numel: int = DEFAULT_BUCKET_NUMEL
+    timeout: timedelta = timedelta(minutes=10)
+    watchdog: bool = True
+    heartbeat_timeout: float = 60.0
+    detect_anomalies: bool = False
+    on_nonfinite: str = "raise"
+    use_distributed_optimizer: bool = False
+    overlap_grad_reduce: bool = False
+    sequence_parallel: bool = False
+    activation_checkpointing: Optional[str] = None
+    backend: str = "auto"
+    fp8: bool = False
+    cuda_graph_scope: Any = field(default=None)
+
+    def __post_init__(self) -> None:
+        self._check_sizes()
+        self._check_values()
+        self._check_features()
+        # normalised values, set once (the dataclass is frozen)
+        object.__setattr__(self, "etp", self.etp if self.etp is not None else self.tp)
+        object.__setattr__(self, "num_microbatches", self.num_microbatches or self.pp)
+        object.__setattr__(self, "tp_plan", dict(self.tp_plan) if self.tp_plan is not None else None)
+        object.__setattr__(self, "cuda_graph_scope", validate_cuda_graph_scope(
+            self.cuda_graph_scope, activation_checkpointing=self.activation_checkpointing
+        ))
+
+    # ------------------------------------------------------------------ rules
+    def _check_sizes(self) -> None:
+        for name in ("tp", "pp", "cp", "ep"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise MegatronConfigError(f"MegatronStrategy({name}={value!r}): must be a positive integer.")
+        if self.ep > 1 and self.cp > 1:  # the rule holds whether or not cp is available
+            raise MegatronConfigError(
+                f"MegatronStrategy(ep={self.ep}, cp={self.cp}): expert and context parallelism cannot be combined; "
+                "use ep > 1 with cp=1 (experts) or cp > 1 with ep=1."
+            )
+        if self.cp > 1:
+            raise NotImplementedError(
+                f"MegatronStrategy(cp=...): {_NOT_YET['cp']} is not available in this version; "
+                "tensor, pipeline, data and expert parallelism are."
+            )
+        m = self.num_microbatches
+        if m is not None and (not isinstance(m, int) or m < 1):
+            raise MegatronConfigError(f"num_microbatches={m!r} must be a positive integer or None (= pp).")
+
+    def _check_values(self) -> None:
+        if self.tp_plan is not None and not isinstance(self.tp_plan, Mapping):
+            raise MegatronConfigError(
+                f"tp_plan={self.tp_plan!r}: expected a dict from module-name globs to "
+                "'column' | 'row' | 'vocab' | 'replicate', e.g. {'blocks.*.attn.qkv': 'column'}."
+            )
+        if self.on_nonfinite not in ("skip", "raise"):
+            raise MegatronConfigError(f"on_nonfinite={self.on_nonfinite!r}: use 'skip' or 'raise'.")
+
+    def _check_features(self) -> None:
+        validate_sequence_parallel(tp=self.tp, sequence_parallel=self.sequence_parallel)
+        validate_recompute_mode(self.activation_checkpointing)
+        if self.backend not in BACKENDS:
+            raise MegatronConfigError(f"backend={self.backend!r}: use one of {', '.join(map(repr, BACKENDS))}.")
+        validate_fp8(self.fp8, self.backend)
+
+    # ------------------------------------------------------------------ derived
+    @property
+    def should_broadcast_batch(self) -> bool:
+        """Broadcast each batch within TP: asked for explicitly, or whenever ``tp > 1``."""
+        return self.broadcast_batch if self.broadcast_batch is not None else self.tp > 1
+
+    @property
+    def vp_size(self) -> int:
+        return self.vp or 1

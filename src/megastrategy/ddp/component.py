@@ -1,0 +1,142 @@
+"""Data parallelism as a component: the contiguous fp32 gradient buffer, its reduction over the
+data-parallel replicas, ZeRO-1, and clipping by the true global norm.
+
+Order within one optimizer step (driven by the strategy)::
+
+    with last_microbatch_context(n):   # full buckets may start reducing during the last backward
+        closure()                       # forward + backward of the step's last microbatch(es)
+    finalize_grads()                    # reduce (or wait), expose .grad unless distributed
+    # Lightning: on_before_optimizer_step, clipping (below), optimizer.step()
+    zero_grads()
+
+Checkpoints need nothing special: :meth:`DistributedOptimizer.state_dict` returns the plain torch
+format over the model's parameters, so :mod:`megastrategy.checkpoint` reshards it like any other.
+"""
+from __future__ import annotations
+
+from contextlib import nullcontext
+from typing import Any, Callable, ContextManager, Optional, Union
+
+import torch
+from torch import nn
+
+from megastrategy.component import Component, SetupContext
+from megastrategy.config import MegatronConfig
+from megastrategy.ddp.distributed_optimizer import DistributedOptimizer
+from megastrategy.ddp.grad_buffer import GradientBuffer
+from megastrategy.ddp.grad_clip import clip_grad_norm_
+from megastrategy.ddp.optimizer_wrapping import wrap_optimizers
+from megastrategy.errors import MegatronConfigError
+from megastrategy.layers.shard_spec import get_shard_spec
+from megastrategy.moe.integration import clip_grad_norm_with_experts, dense_parameters
+
+__all__ = ["GradientBuffers", "grad_counts_here"]
+
+
+class GradientBuffers(Component):
+    """Owns the dense gradient buffer (experts have their own, see the MoE component)."""
+
+    def __init__(self, config: MegatronConfig) -> None:
+        self.config = config
+        self.buffer: Optional[GradientBuffer] = None
+        self._ctx: Optional[SetupContext] = None
+
+    def configure(self, ctx: SetupContext) -> None:
+        scaler = getattr(ctx.precision_plugin, "scaler", None)
+        if self.config.use_distributed_optimizer and scaler is not None:
+            raise MegatronConfigError(
+                "use_distributed_optimizer=True does not support fp16 loss scaling (precision='16-mixed'): "
+                "the GradScaler unscales parameters' .grad, which the distributed optimizer does not use. "
+                "Use precision='bf16-mixed' or '32'."
+            )
+
+    def on_fit_setup(self, module: nn.Module, ctx: SetupContext) -> None:
+        self.teardown()
+        c, self._ctx = self.config, ctx
+        self.buffer = GradientBuffer(
+            dense_parameters(module),
+            group=ctx.parallel_state.dp_group,
+            grad_reduce_in_fp32=c.grad_reduce_in_fp32,
+            bucket_numel=c.bucket_numel,
+            overlap_grad_reduce=c.overlap_grad_reduce,
+            distributed_optimizer=c.use_distributed_optimizer,
+            deferred_params=list(ctx.stage.tied_parameters) if ctx.stage is not None else [],
+        )
+        ctx.grad_buffers.insert(0, self.buffer)
+
+    def wrap_optimizers(self, optimizers: list) -> list:
+        with_experts = self._ctx is not None and self._ctx.num_moe_layers > 0
+        return wrap_optimizers(
+            optimizers, self.buffer, distributed=self.config.use_distributed_optimizer, with_experts=with_experts
+        )
+
+    # ------------------------------------------------------------------ optimizer step
+    def last_microbatch_context(self, backward_passes: int) -> ContextManager:
+        if self.buffer is None or not self.buffer.overlap_grad_reduce:
+            return nullcontext()
+        return self.buffer.last_microbatch(backward_passes)
+
+    def finalize_grads(self) -> bool:
+        """Reduce the accumulated gradients (or wait for the overlapped reductions); without the
+        distributed optimizer, point ``param.grad`` at the result."""
+        if self.buffer is not None and self.buffer.has_grads:
+            self.buffer.reduce()
+            if not self.buffer.distributed_optimizer:
+                self.buffer.expose_grads()
+        return True
+
+    def zero_grads(self) -> None:
+        if self.buffer is not None:
+            self.buffer.zero()
+
+    def teardown(self) -> None:
+        if self.buffer is not None:
+            self.buffer.remove()
+        self.buffer = None
+
+    # ------------------------------------------------------------------ clipping
+    def clip_grad_norm(self, optimizer: Any, clip_val: Union[int, float]) -> torch.Tensor:
+        """Clip by the true global norm: TP shards and PP stages each once, TP-replicated
+        parameters and the last stage's tied-embedding copy not twice."""
+        ctx = self._require_ctx()
+        ps, counts_here = ctx.parallel_state, grad_counts_here(ctx)
+        optimizer = _unwrap(optimizer)
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        if ctx.num_moe_layers:
+            return clip_grad_norm_with_experts(params, float(clip_val), parallel_state=ps, dense_counts_here=counts_here)
+        if isinstance(optimizer, DistributedOptimizer):
+            return optimizer.clip_grad_norm_(float(clip_val), counts_here=counts_here, model_parallel_group=ps.mp_group)
+        return clip_grad_norm_(params, float(clip_val), counts_here=counts_here, group=ps.mp_group)
+
+    def clip_grad_value(self, optimizer: Any, clip_val: Union[int, float]) -> None:
+        """For ``gradient_clip_algorithm="value"`` (elementwise, so only where the gradients live)."""
+        optimizer = _unwrap(optimizer)
+        if isinstance(optimizer, DistributedOptimizer):
+            optimizer.clip_grad_value_(float(clip_val))
+            return
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        torch.nn.utils.clip_grad_value_(params, float(clip_val))
+
+    def _require_ctx(self) -> SetupContext:
+        if self._ctx is None:
+            raise RuntimeError("gradient clipping before the strategy's setup built the gradient buffer.")
+        return self._ctx
+
+
+def grad_counts_here(ctx: SetupContext) -> Callable[[nn.Parameter], bool]:
+    """Whether this rank adds a parameter's gradient to the global norm: sharded parameters on
+    every TP rank, replicated ones on TP rank 0, never the last stage's copy of a tied embedding."""
+    ps, stage = ctx.parallel_state, ctx.stage
+    duplicate = {id(p) for p in stage.tied_parameters} if (stage is not None and not ps.is_first_stage) else set()
+    tp_rank = ps.tp_rank
+
+    def counts_here(p: nn.Parameter) -> bool:
+        if id(p) in duplicate:
+            return False
+        return get_shard_spec(p) is not None or tp_rank == 0
+
+    return counts_here
+
+
+def _unwrap(optimizer: Any) -> Any:
+    return getattr(optimizer, "_optimizer", optimizer)  # a LightningOptimizer

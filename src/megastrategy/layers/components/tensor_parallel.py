@@ -1,0 +1,33 @@
+"""Tensor parallelism as a component: resolve the plan before any collective, apply it in setup."""
+from __future__ import annotations
+
+from typing import Optional
+
+from torch import nn
+
+from megastrategy.component import Component, SetupContext
+from megastrategy.config import MegatronConfig
+from megastrategy.layers.plan import ResolvedPlan, apply_tp_plan, resolve_tp_plan
+
+
+class TensorParallel(Component):
+    """Shards the layers the plan names over the TP ranks (``tp_plan`` or auto-detection).
+
+    The plan is resolved from names and shapes only, so every plan error comes before the
+    first collective. At ``tp=1`` it is still resolved: the Transformer Engine backend swaps
+    exactly the layers the plan marks.
+    """
+
+    def __init__(self, config: MegatronConfig) -> None:
+        self.tp, self.tp_plan = config.tp, config.tp_plan
+        self.plan: Optional[ResolvedPlan] = None
+
+    def validate(self, module: nn.Module, layout) -> None:
+        if self.plan is None:
+            self.plan = resolve_tp_plan(module, self.tp_plan, self.tp)
+
+    def apply(self, module: nn.Module, ctx: SetupContext) -> None:
+        self.validate(module, None)
+        ctx.plan = self.plan
+        if self.tp > 1 or ctx.backend_in_use == "te":  # at tp=1 the plan marks what TE takes over
+            apply_tp_plan(module, self.plan, group=ctx.parallel_state.tp_group, rng_tracker=ctx.rng_tracker)

@@ -1,0 +1,268 @@
+"""The one step path: run a Lightning step (training, validation, test, predict) over microbatches.
+
+Every layout goes through :class:`StepRunner`. Without a pipeline the rank holds the one and
+only stage, so a step is a one-stage, one-microbatch schedule: forward, then (training) the
+backward through Lightning's own ``backward`` (its hooks and loss scaling included). With
+``pp > 1`` the batch is split into microbatches and this rank's schedule runs them; only the
+last stage reaches the user's ``self.log`` calls, which :mod:`.log_relay` replays everywhere.
+
+The components (:mod:`megastrategy.component`) see the same protocol in both cases:
+``begin_step``, per microbatch ``forward_context``/``on_forward``/``on_backward``, ``end_step``.
+"""
+from __future__ import annotations
+
+from contextlib import ExitStack
+from typing import Any, Callable, Mapping, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+from megastrategy.component import Component, SetupContext, StepInfo, overrides
+from megastrategy.errors import MegatronConfigError
+from megastrategy.pipeline.executor import LocalCommunicator, PipelineExecutor
+from megastrategy.pipeline.log_relay import capturing_logs, metric_paths, relay_logs
+from megastrategy.pipeline.schedules import forward_only_steps, schedule_steps
+from megastrategy.pipeline.stage import PipelineStage, StageBoundary, iter_microbatches
+
+__all__ = ["StepRunner"]
+
+LightningBackward = Callable[[torch.Tensor], None]
+
+
+class StepRunner:
+    """Runs the user's step functions through this rank's schedule (see the module docstring)."""
+
+    def __init__(
+        self,
+        *,
+        executor: PipelineExecutor,
+        components: Sequence[Component],
+        stage: Optional[PipelineStage] = None,
+        num_microbatches: int = 1,
+        pp_group: Any = None,
+        last_stage_rank: int = 0,
+        device: Optional[torch.device] = None,
+    ) -> None:
+        self.executor, self.stage, self.device = executor, stage, device
+        self.num_microbatches = num_microbatches if stage is not None else 1
+        self.pp_group, self.last_stage_rank = pp_group, last_stage_rank
+        self._components = list(components)
+        self._hooks = {h: [c for c in components if overrides(c, h)] for h in _STEP_HOOKS}
+        self._metric_paths: Optional[dict[int, str]] = None  # id(metric) -> attribute path
+
+    @classmethod
+    def build(cls, ctx: SetupContext, components: Sequence[Component]) -> "StepRunner":
+        """The runner for this rank: one local stage, or ``ctx.stage`` of a pipeline."""
+        if ctx.stage is None:
+            return cls(executor=PipelineExecutor(LocalCommunicator(), pp_size=1, pp_rank=0), components=components)
+        from megastrategy.pipeline.p2p import PipelineCommunicator
+
+        ps, config = ctx.parallel_state, ctx.config
+        comm = PipelineCommunicator(
+            pp_group=ps.pp_group, pp_ranks=ps.pp_ranks, pp_rank=ps.pp_rank, device=ctx.device,
+            tp_group=ps.tp_group, scatter_gather=not config.sequence_parallel,  # SP: TP ranks hold different slices
+        )
+        executor = PipelineExecutor(comm, pp_size=config.pp, pp_rank=ps.pp_rank, vp_size=config.vp_size)
+        return cls(
+            executor=executor, components=components, stage=ctx.stage,
+            num_microbatches=config.num_microbatches, pp_group=ps.pp_group, last_stage_rank=ps.pp_ranks[-1],
+            device=ctx.device,
+        )
+
+    @property
+    def pipelined(self) -> bool:
+        return self.stage is not None
+
+    # ------------------------------------------------------------------ one step
+    def run(
+        self,
+        module: Any,
+        step_name: str,
+        args: tuple,
+        kwargs: Mapping[str, Any],
+        *,
+        accumulate_grad_batches: int = 1,
+        grad_scale: float = 1.0,
+        lightning_backward: Optional[LightningBackward] = None,
+    ) -> Any:
+        """One whole step; returns what this rank hands back to Lightning.
+
+        ``lightning_backward(loss)`` runs the single stage's backward the way Lightning would
+        (hooks, precision plugin); ``None`` (manual optimization) leaves backward to the user.
+        """
+        microbatches = self._split(step_name, args, kwargs)
+        step = StepInfo(step_name, len(microbatches), accumulate_grad_batches, grad_scale)
+        for c in self._hooks["begin_step"]:
+            c.begin_step(module, step)
+        outputs: list = []
+        forward_step = self._forward_step(getattr(module, step_name), microbatches, args[1:], kwargs, outputs, step)
+        if self.pipelined:
+            result = self._run_pipelined(module, step, forward_step, outputs)
+        else:
+            self._execute(step, forward_step, _single_stage_backward(outputs, lightning_backward))
+            result = outputs[0]
+        for c in self._hooks["end_step"]:
+            c.end_step(module, step)
+        return result
+
+    def _split(self, step_name: str, args: tuple, kwargs: Mapping[str, Any]) -> list:
+        batch = args[0]
+        if not self.pipelined:
+            return [batch]  # the user's batch exactly as Lightning gave it
+        if kwargs:
+            raise MegatronConfigError(
+                f"{step_name} received keyword arguments {sorted(kwargs)}; pipelining passes (batch, batch_idx)."
+            )
+        m = self.num_microbatches if step_name == "training_step" else _eval_microbatches(batch, self.num_microbatches)
+        return list(iter_microbatches(batch, m))
+
+    def _run_pipelined(self, module: Any, step: StepInfo, forward_step: Callable, outputs: list) -> Any:
+        if self._metric_paths is None:  # the module's structure is fixed once it is sharded
+            self._metric_paths = metric_paths(module)
+        with capturing_logs(module, self._metric_paths) as capture:
+            self._execute(step, forward_step, None)
+
+        summary = _summarize(outputs, step.name) if dist.get_rank() == self.last_stage_rank else None
+        result = relay_logs(module, capture, src=self.last_stage_rank, group=self.pp_group, result=summary)
+        return result.to(self.device) if isinstance(result, torch.Tensor) and self.device is not None else result
+
+    def _execute(self, step: StepInfo, forward_step: Callable, backward_fn: Optional[LightningBackward]) -> None:
+        m, ex = step.num_microbatches, self.executor
+        if step.training:
+            steps = schedule_steps(m, ex.pp_size, ex.pp_rank, ex.vp_size)
+        else:
+            steps = forward_only_steps(m, ex.vp_size)
+        scale = 1.0 / step.accumulate_grad_batches
+        if self.pipelined:  # the schedule runs backward itself, so it applies the loss scale
+            scale *= step.grad_scale
+        with torch.set_grad_enabled(step.training):
+            ex.run(
+                steps, forward_step=forward_step, num_microbatches=m, forward_only=not step.training,
+                loss_scale=scale / m, backward_fn=backward_fn,
+                on_forward=self._callback("on_forward") if step.training else None,
+                on_backward=self._callback("on_backward") if step.training else None,
+            )
+
+    def _callback(self, hook: str) -> Optional[Callable[[int, int], None]]:
+        targets = [getattr(c, hook) for c in self._hooks[hook]]
+        if not targets:
+            return None
+
+        def call(chunk: int, microbatch: int) -> None:
+            for fn in targets:
+                fn(chunk, microbatch)
+
+        return call
+
+    # ------------------------------------------------------------------ one microbatch
+    def _forward_step(
+        self, step_fn: Callable, microbatches: list, rest: tuple, kwargs: Mapping[str, Any], outputs: list, step: StepInfo
+    ) -> Callable:
+        contexts = self._hooks["forward_context"]
+
+        def run_user_step(microbatch: int) -> Any:
+            with ExitStack() as stack:
+                for c in contexts:
+                    stack.enter_context(c.forward_context())
+                return step_fn(microbatches[microbatch], *rest, **kwargs)
+
+        if not self.pipelined:
+            return _single_stage_forward(run_user_step, outputs, step)
+        return self._stage_forward(run_user_step, outputs, step)
+
+    def _stage_forward(self, run_user_step: Callable, outputs: list, step: StepInfo) -> Callable:
+        stage = self.stage
+
+        def forward_step(chunk: int, microbatch: int, input_tensor: Optional[torch.Tensor]) -> torch.Tensor:
+            stage.activate(chunk, input_tensor)
+            try:
+                out = run_user_step(microbatch)
+            except StageBoundary as boundary:
+                return boundary.output
+            finally:
+                stage.deactivate()
+            if not stage.is_last_virtual(chunk):
+                raise MegatronConfigError(
+                    f"{step.name} finished on pipeline stage {stage.pp_rank} chunk {chunk} without running its last "
+                    f"block: the forward must run the blocks of {stage.stack_path} in order."
+                )
+            outputs.append(out)
+            return _as_loss(out, step.name) if step.training else _NOTHING()
+
+        return forward_step
+
+
+_STEP_HOOKS = ("begin_step", "forward_context", "on_forward", "on_backward", "end_step")
+
+
+def _NOTHING() -> torch.Tensor:
+    """What the executor keeps of a microbatch with nothing to backpropagate (the real outputs
+    are collected separately)."""
+    return torch.zeros(())
+
+
+def _single_stage_forward(run_user_step: Callable, outputs: list, step: StepInfo) -> Callable:
+    def forward_step(chunk: int, microbatch: int, input_tensor: Optional[torch.Tensor]) -> torch.Tensor:
+        out = run_user_step(microbatch)
+        outputs.append(out)
+        loss = _user_loss(out) if step.training else None
+        return loss if loss is not None and loss.numel() == 1 else _NOTHING()
+
+    return forward_step
+
+
+def _single_stage_backward(outputs: list, lightning_backward: Optional[LightningBackward]) -> Optional[LightningBackward]:
+    """Backward of the one stage's loss through Lightning, unless there is nothing to run it on
+    (manual optimization, or a ``training_step`` that returned ``None`` to skip the batch)."""
+    if lightning_backward is None:
+        return lambda loss: None
+
+    def backward(loss: torch.Tensor) -> None:
+        if outputs and _user_loss(outputs[0]) is not None:
+            lightning_backward(loss)
+
+    return backward
+
+
+def _user_loss(output: Any) -> Optional[torch.Tensor]:
+    """The loss Lightning would backpropagate from a ``training_step`` output, if any."""
+    if isinstance(output, torch.Tensor):
+        return output
+    if isinstance(output, Mapping) and isinstance(output.get("loss"), torch.Tensor):
+        return output["loss"]
+    return None
+
+
+def _as_loss(output: Any, step_name: str) -> Optional[torch.Tensor]:
+    """The loss of a last-stage microbatch under pipelining (every microbatch needs one)."""
+    if output is None:
+        return None
+    loss = _user_loss(output)
+    if loss is None:
+        raise MegatronConfigError(
+            f"{step_name} returned {type(output).__name__}; under pipeline parallelism it must return the loss "
+            "tensor, a dict with a 'loss' key, or None."
+        )
+    return loss
+
+
+def _eval_microbatches(batch: Any, wanted: int) -> int:
+    """Evaluation batches may be ragged (the last one); use the largest divisor up to ``wanted``."""
+    from torch.utils._pytree import tree_flatten
+
+    sizes = [x.shape[0] for x in tree_flatten(batch)[0] if isinstance(x, torch.Tensor) and x.dim() > 0]
+    size = sizes[0] if sizes else 1
+    return max(d for d in range(1, min(wanted, size) + 1) if size % d == 0)
+
+
+def _summarize(outputs: list, step_name: str) -> Any:
+    """The step's return value for Lightning, computed on the last stage."""
+    if step_name == "predict_step":
+        if outputs and all(isinstance(o, torch.Tensor) for o in outputs):
+            return torch.cat([o.detach().cpu() for o in outputs])
+        return outputs
+    losses = [_as_loss(o, step_name) if step_name == "training_step" else o for o in outputs]
+    tensors = [loss for loss in losses if isinstance(loss, torch.Tensor)]
+    if not tensors:
+        return None
+    return torch.stack([t.detach().float().cpu().mean() for t in tensors]).mean()

@@ -1,0 +1,27 @@
+"""The TP batch broadcast (:mod:`megastrategy.batch_broadcast`) as a component."""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from megastrategy.batch_broadcast import broadcast_batch
+from megastrategy.component import Component, Environment
+from megastrategy.config import MegatronConfig
+
+
+class BatchBroadcast(Component):
+    """``broadcast_batch`` (default: when ``tp > 1``): every TP rank of a replica gets the batch of
+    the replica's first TP rank, so random data pipelines cannot diverge across TP ranks."""
+
+    def __init__(self, config: MegatronConfig) -> None:
+        self.enabled = config.should_broadcast_batch
+        self._src, self._group = 0, None
+
+    def on_environment(self, env: Environment) -> None:
+        self._src, self._group = env.parallel_state.tp_ranks[0], env.parallel_state.tp_group
+
+    def on_batch(self, batch: Any, device: torch.device) -> Any:
+        if self._group is None:
+            return batch
+        return broadcast_batch(batch, src=self._src, group=self._group, device=device)

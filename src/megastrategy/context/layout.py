@@ -76,7 +76,7 @@ class SequenceLayout:
     def split(self, tensor: torch.Tensor, rank: int, dim: int = 1) -> torch.Tensor:
         """Rank ``rank``'s part of a tensor whose dimension ``dim`` is the whole sequence."""
         parts = [tensor.narrow(dim, c.start, c.length) for c in self.chunks(rank)]
-        return parts[0] if len(parts) == 1 else torch.cat(parts, dim=dim)
+        return parts[0].contiguous() if len(parts) == 1 else torch.cat(parts, dim=dim)
 
     def merge(self, parts: list[torch.Tensor], dim: int = 1) -> torch.Tensor:
         """Inverse of :meth:`split`: one local tensor per rank back to global order."""

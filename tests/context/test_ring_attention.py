@@ -43,7 +43,7 @@ def _inputs(seed: int, seq: int):
     return q, k, v, grad, padding
 
 
-def _check_case(rank, cp, case, seq):
+def _check_case(rank, cp, case, seq, group=None):
     import torch.distributed as dist
 
     from megastrategy.context.layout import SequenceLayout
@@ -59,7 +59,7 @@ def _check_case(rank, cp, case, seq):
     ref.backward(grad)
     layout = SequenceLayout(kind, seq, cp)
     local = [layout.split(t, rank, dim=2).clone().requires_grad_() for t in (q, k, v)]
-    plan = RingPlan(Ring.of(dist.group.WORLD), layout, MaskRule(causal, window, key_padding), 8 ** -0.5)
+    plan = RingPlan(Ring.of(group or dist.group.WORLD), layout, MaskRule(causal, window, key_padding), 8 ** -0.5)
     out = ring_attention(*local, plan)
     out.backward(layout.split(grad, rank, dim=2))
     torch.testing.assert_close(out, layout.split(ref, rank, dim=2), **TOL, msg=f"output {case}")
@@ -76,3 +76,17 @@ def _all_cases(rank, world_size):
 @pytest.mark.parametrize("cp", [2, 4])
 def test_ring_attention_matches_full_attention(cp):
     assert all(run_distributed(_all_cases, cp, timeout=120))
+
+
+def _subgroup_cases(rank, world_size):
+    import torch.distributed as dist
+
+    groups = [dist.new_group([0, 2]), dist.new_group([1, 3])]  # cp groups of a tp=2 x cp=2 grid
+    group = groups[rank % 2]
+    for case in CASES[:3]:
+        _check_case(dist.get_rank(group), 2, case, seq=16, group=group)
+    return True
+
+
+def test_ring_attention_on_cp_subgroups():
+    assert all(run_distributed(_subgroup_cases, 4, timeout=120))

@@ -76,3 +76,28 @@ def _all_models(rank, world_size):
 def test_context_parallel_matches_one_device(cp):
     results = run_distributed(_all_models, cp, timeout=240)
     assert all(all(r.values()) for r in results)
+
+
+def _microbatches_in_flight(rank, world_size):
+    from megastrategy.context import ContextParallel
+
+    torch.manual_seed(0)
+    model = tm.llama("sdpa").eval()
+    batches = [tm.lm_batch(seed) for seed in (3, 4)]
+    with torch.no_grad():
+        expected = [model(**batch) for batch in batches]
+    context = ContextParallel(dist.group.WORLD)
+    context.apply(model)
+    locals_ = [context.transform_microbatch(batch, training=False) for batch in batches]
+    for local, ref in reversed(list(zip(locals_, expected))):  # forward order differs from split order
+        with torch.no_grad(), context.forward_context(local):
+            out = model(**local)
+            whole = context.gather_sequence(out.logits)
+        torch.testing.assert_close(out.loss, ref.loss, **TOL)
+        torch.testing.assert_close(whole, ref.logits, **TOL)
+    context.teardown()
+    return True
+
+
+def test_microbatches_in_flight_and_gathered_outputs():
+    assert all(run_distributed(_microbatches_in_flight, 2, timeout=120))

@@ -1,0 +1,123 @@
+"""Context parallelism for an unchanged model: split each microbatch's sequence over the cp
+ranks and make attention, positions and token losses behave as on one device.
+
+Life cycle (the strategy's component drives it)::
+
+    ContextParallel.validate(model, cp)          # before any process group
+    cp = ContextParallel(cp_group)
+    cp.apply(model)                              # hooks; the model itself is untouched
+    local = cp.transform_microbatch(batch, training=True)
+    with cp.forward_context(local):
+        loss = user_forward_and_loss(local)
+    loss.backward()                              # ring backward; grads then AVERAGED over dp×cp
+    cp.teardown()
+
+Gradient convention: averaging every parameter's gradient over the dp×cp group gives exactly
+the single-device gradient (token losses seed ``cp ×`` their share; see ``token_loss``).
+"""
+from __future__ import annotations
+
+from collections import OrderedDict
+from contextlib import contextmanager
+from typing import Any, Optional
+
+import torch
+from torch import nn
+
+from megastrategy.context import hooks
+from megastrategy.context.attention_dispatch import ActiveSplit, hf_attention
+from megastrategy.context.function_mode import ContextParallelMode
+from megastrategy.context.gather import gather_sequence
+from megastrategy.context.hf_integration import HFAttentionSwitch, hf_pretrained_models
+from megastrategy.context.microbatch import split_microbatch
+from megastrategy.context.ring import Ring
+from megastrategy.context.validation import gather_point, resolve_layout, resolve_output, validate
+
+MICROBATCHES_KEPT = 64  # microbatches in flight at once (pipeline schedules) stay well below this
+
+
+class ContextParallel:
+    validate = staticmethod(validate)
+
+    def __init__(self, cp_group, layout: str = "auto", output: str = "auto"):
+        self.group = cp_group
+        self.ring = Ring.of(cp_group)
+        self.layout_choice, self.output_choice = layout, output
+        self.layout: Optional[str] = None
+        self.output: Optional[str] = None
+        self._states: OrderedDict[int, tuple[Any, Any]] = OrderedDict()
+        self._active: Optional[ActiveSplit] = None
+        self._handles: list = []
+        self._switch: Optional[HFAttentionSwitch] = None
+        self._causal_lm = False
+
+    @property
+    def size(self) -> int:
+        return self.ring.size
+
+    @property
+    def rank(self) -> int:
+        return self.ring.rank
+
+    def _current(self) -> Optional[ActiveSplit]:
+        return self._active
+
+    def apply(self, model: nn.Module) -> None:
+        """Install the hooks and the attention function; the model's code and weights are unchanged."""
+        validate(model, self.size, self.layout_choice, self.output_choice)
+        self.layout = resolve_layout(model, self.layout_choice)
+        self.output = resolve_output(model, self.output_choice)
+        self._causal_lm = any(getattr(m, "loss_type", None) == "ForCausalLM" for _, m in hf_pretrained_models(model))
+        self._switch = HFAttentionSwitch(model, lambda module, *a, **kw: hf_attention(self._active, module, *a, **kw))
+        for module in hooks.input_modules(model):
+            hook = hooks.input_hook(self._current, module)
+            self._handles.append(module.register_forward_pre_hook(hook, with_kwargs=True))
+        if self.output == "sequence":
+            _, encoder = gather_point(model)
+            self._handles.append(encoder.register_forward_hook(hooks.gather_hook(self._current, self.gather_sequence)))
+        self._handles.extend(hooks.install_tracker(model, self._current))
+
+    def transform_microbatch(self, batch: Any, training: bool = True) -> Any:
+        """This rank's part of ``batch``: every ``(batch, sequence, ...)`` tensor split along the sequence."""
+        if self.layout is None:
+            raise RuntimeError("ContextParallel.apply(model) must run before transform_microbatch")
+        local, state = split_microbatch(batch, self.layout, self.size, self.rank, training, self._causal_lm)
+        self._states[id(local)] = (local, state)
+        while len(self._states) > MICROBATCHES_KEPT:
+            self._states.popitem(last=False)
+        return local
+
+    @contextmanager
+    def forward_context(self, local: Any):
+        """Run the user's forward and loss on ``local`` (from :meth:`transform_microbatch`) as if unsplit."""
+        entry = self._states.get(id(local))
+        if entry is None or entry[0] is not local:
+            raise RuntimeError("forward_context needs the exact object transform_microbatch returned")
+        if self._active is not None:
+            raise RuntimeError("forward_context is not re-entrant")
+        self._active = ActiveSplit(entry[1], self.ring)
+        mode = ContextParallelMode(self._active, self.group, token_losses=self.output == "tokens")
+        self._switch.enter()
+        try:
+            with mode:
+                yield self._active.state
+        finally:
+            self._switch.exit()
+            self._active = None
+
+    def gather_sequence(self, local: torch.Tensor, dim: int = 1) -> torch.Tensor:
+        """The whole sequence of a split activation, in global order (differentiable)."""
+        if self._active is None:
+            raise RuntimeError("gather_sequence runs inside forward_context (it needs the microbatch's layout)")
+        return gather_sequence(local, self._active.state.layout, self.group, self.rank, dim)
+
+    def teardown(self) -> None:
+        """Remove every hook and the registered attention function."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+        if self._switch is not None:
+            self._switch.remove()
+            self._switch = None
+        self._states.clear()
+        self._active = None

@@ -1,0 +1,50 @@
+"""A torch function mode, active only inside the forward context, that redirects the calls a
+split sequence changes: ``scaled_dot_product_attention`` (to ring attention), token losses (to
+the global mean over cp ranks) and a softmax over a local ``(seq × seq)`` score matrix, which is
+attention computed by hand and cannot be split: it is refused, naming the module.
+
+A mode catches the call however the user imported the function, and leaves the model's code
+and torch's module attributes untouched.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
+
+from megastrategy.context.attention_dispatch import ActiveSplit, sdpa_attention
+from megastrategy.context.token_loss import global_token_loss
+from megastrategy.errors import MegatronConfigError
+
+SOFTMAX_FUNCTIONS = (F.softmax, torch.softmax, torch.Tensor.softmax, F.log_softmax, torch.Tensor.log_softmax)
+TOKEN_LOSSES = (F.cross_entropy, F.nll_loss)
+
+
+class ContextParallelMode(TorchFunctionMode):
+    def __init__(self, split: ActiveSplit, group, token_losses: bool):
+        super().__init__()
+        self.split = split
+        self.group = group
+        self.token_losses = token_losses
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is F.scaled_dot_product_attention:
+            return sdpa_attention(self.split, *args, **kwargs)
+        if self.token_losses and func in TOKEN_LOSSES:
+            return global_token_loss(
+                func, args, kwargs, group=self.group, cp_size=self.split.ring.size,
+                local_tokens=self.split.state.local_tokens,
+            )
+        if func in SOFTMAX_FUNCTIONS:
+            self._refuse_score_softmax(args[0] if args else kwargs.get("input"))
+        return func(*args, **kwargs)
+
+    def _refuse_score_softmax(self, scores) -> None:
+        local = self.split.state.layout.local_len
+        if isinstance(scores, torch.Tensor) and scores.dim() >= 3 and scores.shape[-1] == scores.shape[-2] == local:
+            raise MegatronConfigError(
+                f"{self.split.where} computes a softmax over a ({local} × {local}) local score matrix: attention "
+                "written by hand cannot see keys on other cp ranks. Call torch.nn.functional."
+                "scaled_dot_product_attention (or use a Hugging Face attn_implementation 'sdpa'/'eager') instead."
+            )

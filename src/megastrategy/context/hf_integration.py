@@ -1,0 +1,66 @@
+"""Select ring attention in Hugging Face models through their own attention interface.
+
+transformers 5.x looks attention up by ``config._attn_implementation`` in
+``ALL_ATTENTION_FUNCTIONS``. Each :class:`HFAttentionSwitch` registers one function under its
+own key and points the model's configs at it only while a split microbatch runs, so outside the
+forward context the model is exactly the user's. A key that has no mask function makes
+transformers skip building (local, hence wrong) masks; the ring builds them from global
+positions instead.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+from torch import nn
+
+SUPPORTED_IMPLEMENTATIONS = ("eager", "sdpa", "flash_attention_2", "flash_attention_3", None)
+
+
+def hf_configs(model: nn.Module) -> list:
+    """Distinct Hugging Face configs reachable from the model's modules."""
+    seen: dict[int, object] = {}
+    for module in model.modules():
+        config = getattr(module, "config", None)
+        if config is not None and hasattr(config, "_attn_implementation_internal"):
+            seen.setdefault(id(config), config)
+    return list(seen.values())
+
+
+def hf_pretrained_models(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """Outermost Hugging Face models inside ``model`` (the model itself, or inside a LightningModule)."""
+    found: list[tuple[str, nn.Module]] = []
+    for name, module in model.named_modules():
+        if hasattr(module, "config") and hasattr(module, "base_model_prefix"):
+            if not any(name.startswith(outer + ".") or outer == "" for outer, _ in found):
+                found.append((name, module))
+    return found
+
+
+class HFAttentionSwitch:
+    """Registers ``function`` under a key of its own; :meth:`enter`/:meth:`exit` switch the configs."""
+
+    def __init__(self, model: nn.Module, function: Callable):
+        self.configs = hf_configs(model)
+        self.key = f"megastrategy_context_parallel_{id(self):x}"
+        self.saved: list[tuple[object, object]] = []
+        if self.configs:
+            from transformers import AttentionInterface
+
+            AttentionInterface.register(self.key, function)
+
+    def enter(self) -> None:
+        self.saved = [(config, config._attn_implementation_internal) for config in self.configs]
+        for config, _ in self.saved:
+            config._attn_implementation_internal = self.key
+
+    def exit(self) -> None:
+        for config, original in self.saved:
+            config._attn_implementation_internal = original
+        self.saved = []
+
+    def remove(self) -> None:
+        self.exit()
+        if self.configs:
+            from transformers import AttentionInterface
+
+            AttentionInterface._global_mapping.pop(self.key, None)

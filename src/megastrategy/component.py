@@ -13,7 +13,7 @@ Moments, in the order Lightning reaches them:
 * groups exist: ``on_environment``;
 * ``setup``: ``configure`` (every component), ``apply`` (rewrite the model, in list order), then, when fitting, ``on_fit_setup``
   (after the model is on its device) and ``wrap_optimizers``;
-* ``on_train_loader``, ``on_train_start``; each batch: ``on_batch``; each step: ``begin_step``, then per microbatch ``forward_context``,
+* ``on_train_loader``, ``on_train_start``; each batch: ``on_batch``; each step: ``begin_step``, then per microbatch ``prepare_microbatch``, ``forward_context``,
   ``on_forward``, ``on_backward``, then ``end_step``;
 * each optimizer step: ``last_microbatch_context`` around the closure, ``finalize_grads`` after
   it (returning ``False`` skips the step on every rank), ``zero_grads`` after the step;
@@ -146,7 +146,12 @@ class Component:
     def begin_step(self, module: nn.Module, step: StepInfo) -> None:
         pass
 
-    def forward_context(self) -> ContextManager:
+    def prepare_microbatch(self, microbatch: Any, step: StepInfo) -> Any:
+        """Each microbatch before the user's step sees it (e.g. split along the sequence)."""
+        return microbatch
+
+    def forward_context(self, microbatch: Any) -> ContextManager:
+        """Entered around the user's step for one (prepared) microbatch: forward and loss."""
         return nullcontext()
 
     def on_forward(self, chunk: int, microbatch: int) -> None:

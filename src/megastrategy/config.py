@@ -9,6 +9,7 @@ Components receive this object (or the few values they need), never the strategy
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any, Mapping, NamedTuple, Optional
@@ -22,25 +23,38 @@ from megastrategy.layers.sequence_parallel import validate_sequence_parallel
 from megastrategy.layers.te_backend import BACKENDS
 from megastrategy.parallel_state import DEFAULT_ORDER
 
-__all__ = ["MegatronConfig", "CONSTRUCTOR_RULES", "Rule"]
+__all__ = ["MegatronConfig", "CONSTRUCTOR_RULES", "Rule", "split_strategy_arguments"]
 
 
 class Rule(NamedTuple):
-    """One constructor rule: the argument(s) it concerns and the README error-table row naming it."""
+    """One constructor rule: the argument it concerns, a value that breaks it, and the README
+    error-table row that documents it."""
 
-    arguments: str
+    argument: str
+    bad_example: dict
     readme_situation: str
 
 
+_BAD_VALUES = "bad argument values (`tp=0`, `tp_plan` not a dict, ...)"
 CONSTRUCTOR_RULES: tuple[Rule, ...] = (
-    Rule("tp, pp, cp, ep, num_microbatches", "bad argument values (`tp=0`, `tp_plan` not a dict, ...)"),
-    Rule("tp_plan", "bad argument values (`tp=0`, `tp_plan` not a dict, ...)"),
-    Rule("on_nonfinite", "bad argument values (`tp=0`, `tp_plan` not a dict, ...)"),
-    Rule("activation_checkpointing", "bad argument values (`tp=0`, `tp_plan` not a dict, ...)"),
-    Rule("ep, cp", "`ep > 1` with `cp > 1`"),
-    Rule("sequence_parallel, tp", "`sequence_parallel=True` with `tp=1`, or a model it cannot split"),
-    Rule("backend, fp8", "`backend` not `auto`/`torch`/`te`; `fp8=True` with `backend=\"torch\"`"),
-    Rule("cuda_graph_scope", "unknown `cuda_graph_scope` name, `moe_preprocess` without `moe_router`, graphs with full recompute"),
+    Rule("tp", {"tp": 0}, _BAD_VALUES),
+    Rule("pp", {"pp": -1}, _BAD_VALUES),
+    Rule("cp", {"cp": 1.5}, _BAD_VALUES),
+    Rule("ep", {"ep": 0}, _BAD_VALUES),
+    Rule("num_microbatches", {"num_microbatches": 0}, _BAD_VALUES),
+    Rule("tp_plan", {"tp_plan": ["blocks.*.qkv"]}, _BAD_VALUES),
+    Rule("on_nonfinite", {"on_nonfinite": "ignore"}, _BAD_VALUES),
+    Rule("activation_checkpointing", {"activation_checkpointing": "partial"}, _BAD_VALUES),
+    Rule("ep", {"ep": 2, "cp": 2}, "`ep > 1` with `cp > 1`"),
+    Rule("sequence_parallel", {"sequence_parallel": True, "tp": 1},
+         "`sequence_parallel=True` with `tp=1`, or a model it cannot split"),
+    Rule("backend", {"backend": "cuda"}, "`backend` not `auto`/`torch`/`te`; `fp8=True` with `backend=\"torch\"`"),
+    Rule("fp8", {"fp8": True, "backend": "torch"},
+         "`backend` not `auto`/`torch`/`te`; `fp8=True` with `backend=\"torch\"`"),
+    Rule("cuda_graph_scope", {"cuda_graph_scope": ["mlp"]},
+         "unknown `cuda_graph_scope` name, `moe_preprocess` without `moe_router`, graphs with full recompute"),
+    Rule("cuda_graph_scope", {"cuda_graph_scope": ["attn"], "activation_checkpointing": "full"},
+         "unknown `cuda_graph_scope` name, `moe_preprocess` without `moe_router`, graphs with full recompute"),
 )
 
 _NOT_YET = {"cp": "context parallelism (cp > 1)"}
@@ -48,7 +62,34 @@ _NOT_YET = {"cp": "context parallelism (cp > 1)"}
 
 @dataclass(frozen=True)
 class MegatronConfig:
-    """What the user asked for; see :class:`~megastrategy.strategy.MegatronStrategy` for each field."""
+    """What the user asked for: every keyword ``MegatronStrategy`` takes.
+
+    Args:
+        tp: tensor-parallel size; every layer the plan names is split over ``tp`` ranks.
+        pp, vp: pipeline stages, and virtual chunks per stage (interleaved schedule).
+        cp: context-parallel size. ep, etp: expert-parallel size and expert-TP size (default ``tp``).
+        num_microbatches: microbatches per training step under ``pp > 1`` (default ``pp``).
+        tp_plan: ``{glob over named_modules(): "column" | "row" | "vocab" | "replicate"}``;
+            ``None`` detects Hugging Face and ``torch.nn.Transformer*Layer`` models.
+        pipeline_layers: dotted path of the ``nn.ModuleList`` of blocks (default: found).
+        order: how the rank grid is laid out, first dimension varying fastest.
+        broadcast_batch: broadcast each batch from the first TP rank of its replica so that
+            random data pipelines cannot diverge across TP ranks; ``None`` = when ``tp > 1``.
+        grad_reduce_in_fp32, bucket_numel: gradient accumulation dtype and DP bucket size.
+        timeout: the limit for every collective.
+        watchdog, heartbeat_timeout: when a rank fails, stop every rank within seconds naming it.
+        detect_anomalies, on_nonfinite: check gradients for NaN/inf on every rank before each
+            optimizer step, then ``"skip"`` the step on every rank or ``"raise"`` on every rank.
+        use_distributed_optimizer: ZeRO-1 (fp32 main weights and optimizer state for 1/dp).
+        overlap_grad_reduce: start each bucket's DP reduction during the last backward.
+        sequence_parallel: split LayerNorm/dropout regions along the sequence over TP ranks.
+        activation_checkpointing: ``"full"`` recomputes each block, ``"selective"`` the attention
+            core; both replay the dropout streams exactly.
+        backend: ``"torch"`` layers, Transformer Engine (``"te"``), or ``"auto"``.
+        fp8: Transformer Engine FP8 autocast; amax reduced over the TP and DP ranks.
+        cuda_graph_scope: partial CUDA graphs (GPU only) of ``"attn"``, ``"moe_router"``,
+            ``"moe_preprocess"``, one set of static buffers per microbatch in flight.
+    """
 
     tp: int = 1
     pp: int = 1
@@ -133,3 +174,18 @@ class MegatronConfig:
     @property
     def vp_size(self) -> int:
         return self.vp or 1
+
+
+def split_strategy_arguments(kwargs: dict[str, Any], lightning_names: set[str]) -> tuple[dict, dict]:
+    """(ours, Lightning's): the strategy's keywords split between :class:`MegatronConfig` and
+    Lightning's ``DDPStrategy``. A keyword neither knows is refused: ``DDPStrategy`` would pass it
+    to a ``DistributedDataParallel`` wrapper this strategy never builds, i.e. silently ignore it."""
+    fields = {f.name for f in dataclasses.fields(MegatronConfig)}
+    unknown = sorted(k for k in kwargs if k not in fields and k not in lightning_names)
+    if unknown:
+        raise MegatronConfigError(
+            f"MegatronStrategy({', '.join(f'{k}={kwargs[k]!r}' for k in unknown)}): unknown argument(s). "
+            f"The strategy takes {sorted(fields)} and Lightning's DDPStrategy arguments {sorted(lightning_names)}."
+        )
+    ours = {k: v for k, v in kwargs.items() if k in fields}
+    return ours, {k: v for k, v in kwargs.items() if k not in fields}

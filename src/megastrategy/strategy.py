@@ -11,7 +11,7 @@ rewrite the model; gradient buffers and optimizers) → steps → ``teardown``.
 """
 from __future__ import annotations
 
-import dataclasses
+import inspect
 import logging
 from contextlib import ExitStack
 from typing import TYPE_CHECKING, Any, Callable, Optional, TypeVar, Union
@@ -25,7 +25,7 @@ from torch import nn
 from megastrategy.anatomy import ModelAnatomy
 from megastrategy.checkpoint.component import Checkpoints
 from megastrategy.component import Component, Environment, SetupContext
-from megastrategy.config import MegatronConfig
+from megastrategy.config import MegatronConfig, split_strategy_arguments
 from megastrategy.cuda_graphs.component import CudaGraphs
 from megastrategy.ddp.component import GradientBuffers
 from megastrategy.ddp.nonfinite_guard import NonFiniteGuard
@@ -36,6 +36,7 @@ from megastrategy.parallel_state import ParallelLayout, ParallelState
 from megastrategy.pipeline.component import Pipeline
 from megastrategy.pipeline.step_runner import StepRunner
 from megastrategy.precision import adopt_precision_plugin, loss_scaler
+from megastrategy.replicas import broadcast_module_states, reduce_over, set_metric_process_group
 from megastrategy.runtime import BatchBroadcast, Watchdog
 
 if TYPE_CHECKING:
@@ -43,7 +44,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 C = TypeVar("C", bound=Component)
-_CONFIG_FIELDS = frozenset(f.name for f in dataclasses.fields(MegatronConfig))
+_LIGHTNING_ARGUMENTS = set(inspect.signature(DDPStrategy.__init__).parameters) - {"self", "kwargs", "timeout"}
 
 
 class MegatronStrategy(DDPStrategy):
@@ -57,9 +58,9 @@ class MegatronStrategy(DDPStrategy):
     strategy_name = "megatron"
 
     def __init__(self, tp: int = 1, pp: int = 1, **kwargs: Any) -> None:
-        ours = {k: kwargs.pop(k) for k in list(kwargs) if k in _CONFIG_FIELDS}
+        ours, lightning = split_strategy_arguments(kwargs, _LIGHTNING_ARGUMENTS)
         self.config = MegatronConfig(tp=tp, pp=pp, **ours)
-        super().__init__(timeout=self.config.timeout, **kwargs)
+        super().__init__(timeout=self.config.timeout, **lightning)
         self.layout: Optional[ParallelLayout] = None
         self.parallel_state: Optional[ParallelState] = None
         self.grad_buffers, self.checkpoints = GradientBuffers(self.config), Checkpoints()
@@ -144,7 +145,7 @@ class MegatronStrategy(DDPStrategy):
         module, ps = self.lightning_module, self._state()
         sharded = getattr(module, "_megastrategy_sharded", False)
         if not sharded:
-            _broadcast_module_states(module, src=0)  # every rank starts from rank 0's weights
+            broadcast_module_states(module, src=0)  # every rank starts from rank 0's weights
             self._validate_model()
         if self._ctx is None or not sharded:
             tracker = ModelParallelRNGTracker(tp_rank=ps.tp_rank, device=self.root_device)
@@ -158,7 +159,7 @@ class MegatronStrategy(DDPStrategy):
             for c in self.components:
                 c.apply(module, self._ctx)
             module._megastrategy_sharded = True
-            _set_metric_process_group(module, ps.dp_group)
+            set_metric_process_group(module, ps.dp_group)
         if self._runner is None or not sharded:
             self._runner = StepRunner.build(self._ctx, self.components)
         self.precision_plugin.convert_module(self.model)
@@ -278,11 +279,7 @@ class MegatronStrategy(DDPStrategy):
         """Reduce over data-parallel replicas (TP ranks of a replica hold the same value)."""
         if not isinstance(tensor, torch.Tensor) or self.parallel_state is None or not dist.is_initialized():
             return tensor
-        group = self.parallel_state.dp_group if group is None else group
-        op = _reduce_op_name(reduce_op)
-        tensor = tensor.clone()
-        dist.all_reduce(tensor, op=dist.ReduceOp.SUM if op == "mean" else getattr(dist.ReduceOp, op.upper()), group=group)
-        return tensor / dist.get_world_size(group) if op == "mean" else tensor
+        return reduce_over(tensor, self.parallel_state.dp_group if group is None else group, reduce_op)
 
     # ------------------------------------------------------------------ checkpoints
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath, storage_options: Optional[Any] = None) -> None:
@@ -312,35 +309,3 @@ class MegatronStrategy(DDPStrategy):
         for c in reversed(self.components):
             c.teardown()
         super().teardown()
-
-
-def _reduce_op_name(reduce_op) -> str:
-    if reduce_op is None:
-        return "mean"
-    if isinstance(reduce_op, str):
-        name = {"avg": "mean"}.get(reduce_op.lower(), reduce_op.lower())
-    else:
-        ops = {dist.ReduceOp.SUM: "sum", dist.ReduceOp.AVG: "mean", dist.ReduceOp.MAX: "max", dist.ReduceOp.MIN: "min"}
-        name = next((n for op, n in ops.items() if reduce_op == op), str(reduce_op))
-    if name not in ("mean", "sum", "max", "min"):
-        raise ValueError(f"reduce_op={reduce_op!r}: use 'mean', 'sum', 'max' or 'min'.")
-    return name
-
-
-def _broadcast_module_states(module: nn.Module, src: int) -> None:
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        return
-    with torch.no_grad():
-        for t in list(module.parameters()) + list(module.buffers()):
-            dist.broadcast(t.data, src=src)
-
-
-def _set_metric_process_group(module: nn.Module, group) -> None:
-    """torchmetrics sync over the world would count each example once per TP rank; use DP only."""
-    try:
-        from torchmetrics import Metric
-    except ImportError:  # pragma: no cover - torchmetrics is a dependency
-        return
-    for m in module.modules():
-        if isinstance(m, Metric):
-            m.process_group = group

@@ -158,13 +158,16 @@ class StepRunner:
     def _forward_step(
         self, step_fn: Callable, microbatches: list, rest: tuple, kwargs: Mapping[str, Any], outputs: list, step: StepInfo
     ) -> Callable:
-        contexts = self._hooks["forward_context"]
+        contexts, preparers = self._hooks["forward_context"], self._hooks["prepare_microbatch"]
 
         def run_user_step(microbatch: int) -> Any:
+            batch = microbatches[microbatch]
+            for c in preparers:
+                batch = c.prepare_microbatch(batch, step)
             with ExitStack() as stack:
                 for c in contexts:
-                    stack.enter_context(c.forward_context())
-                return step_fn(microbatches[microbatch], *rest, **kwargs)
+                    stack.enter_context(c.forward_context(batch))
+                return step_fn(batch, *rest, **kwargs)
 
         if not self.pipelined:
             return _single_stage_forward(run_user_step, outputs, step)
@@ -192,7 +195,7 @@ class StepRunner:
         return forward_step
 
 
-_STEP_HOOKS = ("begin_step", "forward_context", "on_forward", "on_backward", "end_step")
+_STEP_HOOKS = ("begin_step", "prepare_microbatch", "forward_context", "on_forward", "on_backward", "end_step")
 
 
 def _NOTHING() -> torch.Tensor:

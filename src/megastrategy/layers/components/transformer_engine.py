@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 from contextlib import nullcontext
-from typing import ContextManager, Optional
+from typing import Any, ContextManager, Optional
 
 import torch
 from torch import nn
@@ -53,5 +53,5 @@ class TransformerEngine(Component):
         if self.fp8:
             self._autocast = FP8Autocast(True, amax_group=fp8_amax_group(ctx.parallel_state))
 
-    def forward_context(self) -> ContextManager:
+    def forward_context(self, microbatch: Any) -> ContextManager:
         return self._autocast() if self._autocast is not None else nullcontext()

@@ -73,6 +73,17 @@ class SetupContext:
     grad_buffers: list["GradientBuffer"] = field(default_factory=list)  # GradientBuffers, ExpertParallel
     precision_plugin: Any = None
 
+    @classmethod
+    def create(cls, config: MegatronConfig, parallel_state: "ParallelState", device: torch.device,
+               module: nn.Module) -> "SetupContext":
+        """A fresh context: the anatomy found once, the TP-aware random streams seeded."""
+        from megastrategy.anatomy import ModelAnatomy
+        from megastrategy.layers.random import ModelParallelRNGTracker
+
+        tracker = ModelParallelRNGTracker(tp_rank=parallel_state.tp_rank, device=device)
+        tracker.seed(torch.initial_seed())
+        return cls(config, parallel_state, device, module, tracker, ModelAnatomy.find(module, config.pipeline_layers))
+
     @property
     def stack_path(self) -> Optional[str]:
         """The layer stack's path: the stage's once cut, else the anatomy's, else the user's argument."""

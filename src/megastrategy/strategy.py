@@ -18,26 +18,19 @@ from typing import TYPE_CHECKING, Any, Callable, Optional, TypeVar, Union
 
 import torch
 import torch.distributed as dist
+from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from torch import nn
 
-from megastrategy.anatomy import ModelAnatomy
-from megastrategy.checkpoint.component import Checkpoints
+from megastrategy import all_components as parts
+from megastrategy.checkpoint.dcp_io import remove_checkpoint_dir
 from megastrategy.component import Component, Environment, SetupContext
 from megastrategy.config import MegatronConfig, split_strategy_arguments
-from megastrategy.cuda_graphs.component import CudaGraphs
-from megastrategy.ddp.component import GradientBuffers
-from megastrategy.ddp.nonfinite_guard import NonFiniteGuard
-from megastrategy.layers.components import Recompute, SequenceParallel, TensorParallel, TransformerEngine
-from megastrategy.layers.random import ModelParallelRNGTracker
-from megastrategy.moe.component import ExpertParallel
 from megastrategy.parallel_state import ParallelLayout, ParallelState
-from megastrategy.pipeline.component import Pipeline
 from megastrategy.pipeline.step_runner import StepRunner
 from megastrategy.precision import adopt_precision_plugin, loss_scaler
 from megastrategy.replicas import broadcast_module_states, reduce_over, set_metric_process_group
-from megastrategy.runtime import BatchBroadcast, Watchdog
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -63,7 +56,7 @@ class MegatronStrategy(DDPStrategy):
         super().__init__(timeout=self.config.timeout, **lightning)
         self.layout: Optional[ParallelLayout] = None
         self.parallel_state: Optional[ParallelState] = None
-        self.grad_buffers, self.checkpoints = GradientBuffers(self.config), Checkpoints()
+        self.grad_buffers, self.checkpoints = parts.GradientBuffers(self.config), parts.Checkpoints()
         self.components = [c for c in self.build_components(self.config) if c.enabled]
         self._ctx: Optional[SetupContext] = None
         self._runner: Optional[StepRunner] = None
@@ -72,19 +65,23 @@ class MegatronStrategy(DDPStrategy):
     def build_components(self, c: MegatronConfig) -> list[Component]:
         """Every feature, in the order its hooks run (teardown in reverse); disabled ones drop out."""
         return [
-            Watchdog(c),
-            NonFiniteGuard(c),
-            BatchBroadcast(c),
-            TensorParallel(c),
-            SequenceParallel(c),
-            TransformerEngine(c),
-            Recompute(c),
-            Pipeline(c),
-            ExpertParallel(c),
-            CudaGraphs(c),
+            parts.Watchdog(c),
+            parts.NonFiniteGuard(c),
+            parts.BatchBroadcast(c),
+            parts.TensorParallel(c),
+            parts.SequenceParallel(c),
+            parts.TransformerEngine(c),
+            parts.Recompute(c),
+            parts.Pipeline(c),
+            parts.ExpertParallel(c),
+            parts.CudaGraphs(c),
             self.grad_buffers,
             self.checkpoints,
         ]
+
+    def _each(self, hook: str, *args: Any) -> None:
+        for c in self.components:
+            getattr(c, hook)(*args)
 
     def component(self, kind: type[C]) -> Optional[C]:
         """The component of type ``kind`` in use, if any."""
@@ -104,8 +101,7 @@ class MegatronStrategy(DDPStrategy):
 
     def setup_environment(self) -> None:
         self.layout = self._make_layout()
-        for c in self.components:
-            c.check_device(self.root_device)
+        self._each("check_device", self.root_device)
         self._validate_model()  # model errors also come before the first collective
         super().setup_environment()  # default process group
         if self.parallel_state is None or self.parallel_state.layout != self.layout:
@@ -115,8 +111,7 @@ class MegatronStrategy(DDPStrategy):
         log.info(self.parallel_state.describe())
         env = Environment(self.config, self.layout, self.parallel_state, self.global_rank, self.world_size,
                           self.root_device)
-        for c in self.components:
-            c.on_environment(env)
+        self._each("on_environment", env)
 
     def _validate_model(self) -> None:
         module = self.lightning_module
@@ -124,8 +119,7 @@ class MegatronStrategy(DDPStrategy):
             return
         if not any(True for _ in module.parameters()):
             return  # built in configure_model(); validated in setup()
-        for c in self.components:
-            c.validate(module, self.layout)
+        self._each("validate", module, self.layout)
         self._model_validated = True
 
     @property
@@ -148,16 +142,11 @@ class MegatronStrategy(DDPStrategy):
             broadcast_module_states(module, src=0)  # every rank starts from rank 0's weights
             self._validate_model()
         if self._ctx is None or not sharded:
-            tracker = ModelParallelRNGTracker(tp_rank=ps.tp_rank, device=self.root_device)
-            tracker.seed(torch.initial_seed())
-            self._ctx = SetupContext(self.config, ps, self.root_device, module, tracker,
-                                     ModelAnatomy.find(module, self.config.pipeline_layers))
+            self._ctx = SetupContext.create(self.config, ps, self.root_device, module)
         self._ctx.precision_plugin = self.precision_plugin
-        for c in self.components:
-            c.configure(self._ctx)
+        self._each("configure", self._ctx)
         if not sharded:
-            for c in self.components:
-                c.apply(module, self._ctx)
+            self._each("apply", module, self._ctx)
             module._megastrategy_sharded = True
             set_metric_process_group(module, ps.dp_group)
         if self._runner is None or not sharded:
@@ -170,14 +159,11 @@ class MegatronStrategy(DDPStrategy):
         adopt_precision_plugin(self.precision_plugin, clip_norm=self.grad_buffers.clip_grad_norm,
                                clip_value=self.grad_buffers.clip_grad_value)
         if trainer.state.fn == TrainerFn.FITTING:
-            from lightning.fabric.utilities.optimizer import _optimizers_to_device
-
             _optimizers_to_device(self.optimizers, self.root_device)
 
     def _setup_gradients(self, trainer: "pl.Trainer", module: nn.Module) -> None:
         self._ctx.grad_buffers.clear()
-        for c in self.components:
-            c.on_fit_setup(module, self._ctx)
+        self._each("on_fit_setup", module, self._ctx)
         self.setup_optimizers(trainer)
         for c in self.components:
             self.optimizers = c.wrap_optimizers(self.optimizers)
@@ -232,8 +218,7 @@ class MegatronStrategy(DDPStrategy):
 
     def on_train_start(self) -> None:
         super().on_train_start()
-        for c in self.components:
-            c.on_train_start()
+        self._each("on_train_start")
 
     def batch_to_device(self, batch: Any, device: Optional[torch.device] = None, dataloader_idx: int = 0) -> Any:
         # The first per-batch call Lightning makes: the right moment to say what this rank is doing.
@@ -247,9 +232,8 @@ class MegatronStrategy(DDPStrategy):
                 batch = c.on_batch(batch, device or self.root_device)
         return batch
 
-    def _doing(self, text: str) -> None:
-        for c in self.components:
-            c.on_activity(text)
+    def _doing(self, text: str) -> None:  # what this rank is doing, for failure reports
+        self._each("on_activity", text)
 
     # ------------------------------------------------------------------ optimization
     def optimizer_step(self, optimizer, closure: Callable[[], Any], model=None, **kwargs: Any) -> Any:
@@ -262,18 +246,14 @@ class MegatronStrategy(DDPStrategy):
             if any(b.has_grads for b in self._ctx.grad_buffers):
                 for c in self.components:  # in order: every rank skips together when one says so
                     if not c.finalize_grads():
-                        self._zero_grads()
+                        self._each("zero_grads")
                         break
             return result
 
         try:
             return super().optimizer_step(optimizer, closure_then_finalize, model, **kwargs)
         finally:
-            self._zero_grads()
-
-    def _zero_grads(self) -> None:
-        for c in self.components:
-            c.zero_grads()
+            self._each("zero_grads")
 
     def reduce(self, tensor, group: Optional[Any] = None, reduce_op: Optional[Union[str, Any]] = "mean"):
         """Reduce over data-parallel replicas (TP ranks of a replica hold the same value)."""
@@ -295,15 +275,12 @@ class MegatronStrategy(DDPStrategy):
 
     def remove_checkpoint(self, filepath) -> None:
         if self.is_global_zero:
-            from megastrategy.checkpoint.dcp_io import remove_checkpoint_dir
-
             remove_checkpoint_dir(filepath)
 
     # ------------------------------------------------------------------ end
     def on_exception(self, exception: BaseException) -> None:
         super().on_exception(exception)
-        for c in self.components:
-            c.on_exception(exception)
+        self._each("on_exception", exception)
 
     def teardown(self) -> None:
         for c in reversed(self.components):

@@ -1,0 +1,15 @@
+"""Every component class, in one namespace for the strategy's ordered list (and for users who
+want to look one up with ``strategy.component(kind)``)."""
+from megastrategy.checkpoint.component import Checkpoints
+from megastrategy.cuda_graphs.component import CudaGraphs
+from megastrategy.ddp.component import GradientBuffers
+from megastrategy.ddp.nonfinite_guard import NonFiniteGuard
+from megastrategy.layers.components import Recompute, SequenceParallel, TensorParallel, TransformerEngine
+from megastrategy.moe.component import ExpertParallel
+from megastrategy.pipeline.component import Pipeline
+from megastrategy.runtime import BatchBroadcast, Watchdog
+
+__all__ = [
+    "BatchBroadcast", "Checkpoints", "CudaGraphs", "ExpertParallel", "GradientBuffers", "NonFiniteGuard", "Pipeline",
+    "Recompute", "SequenceParallel", "TensorParallel", "TransformerEngine", "Watchdog",
+]

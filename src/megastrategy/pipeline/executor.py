@@ -172,107 +172,120 @@ class PipelineExecutor:
         stage's (scaled) loss: a one-stage run lets Lightning's own backward do it.
         """
         plan = self._check_steps(steps, num_microbatches, forward_only)
-        comm = self.comm
-        outputs: list = [None] * num_microbatches if self.holds_last_stage else []
-        stored: dict[tuple[int, int], tuple[Tensor | None, Tensor]] = {}
-        handles: dict[int, RecvHandle] = {}  # step index -> posted receive
-        recv_needed = [self._needed_recv(s) for s in plan]
-        counters = {"forwards": 0, "backwards": 0, "freed_bytes": 0, "peak_in_flight": 0}
-        self.peak_in_flight = 0
-        next_to_post = 0  # receives are posted strictly in schedule order
-
-        def post_until(limit: int) -> None:
-            """Post the receives of steps [next_to_post, limit]."""
-            nonlocal next_to_post
-            while next_to_post <= min(limit, len(plan) - 1):
-                i = next_to_post
-                next_to_post += 1
-                if recv_needed[i] is not None:
-                    handles[i] = comm.send_and_irecv(None, None, recv_needed[i], expect_microbatch=plan[i][2])
-
-        def take_input(i: int) -> Tensor:
-            return handles.pop(i).wait()
-
-        def send(i: int, direction: str, tensor: Tensor, mb: int) -> None:
-            """Send; fuse it with the next step's receive when that is not posted yet."""
-            nonlocal next_to_post
-            j = i + 1
-            if not self.overlap_p2p_comm and next_to_post == j and j < len(plan) and recv_needed[j] is not None:
-                next_to_post = j + 1
-                handles[j] = comm.send_and_irecv(
-                    direction, tensor, recv_needed[j], microbatch=mb, expect_microbatch=plan[j][2]
-                )
-            else:
-                comm.send_and_irecv(direction, tensor, None, microbatch=mb)
-
-        grad_mode = torch.no_grad() if forward_only else torch.enable_grad()
+        run = _ScheduleRun(self, plan, num_microbatches, forward_only, loss_scale, backward_fn)
         try:
             for i, (is_forward, chunk, mb) in enumerate(plan):
-                post_until(i)  # this step's own receive, unless posted earlier
+                run.post_until(i)  # this step's own receive, unless posted earlier
                 if is_forward:
-                    inp = None
-                    if not self.is_first_stage(chunk):
-                        inp = take_input(i)
-                        if not forward_only:
-                            inp.requires_grad_(True)
-                    if self.overlap_p2p_comm:
-                        post_until(i + 1)
-                    if on_forward is not None:
-                        on_forward(chunk, mb)
-                    with grad_mode:
-                        out = forward_step(chunk, mb, inp)
-                    counters["forwards"] += 1
-                    if not isinstance(out, Tensor):
-                        raise TypeError(
-                            f"forward_step(chunk={chunk}, microbatch={mb}) returned {type(out).__name__}; it must "
-                            f"return a Tensor (the loss on the last virtual stage, the activation elsewhere)."
-                        )
-                    if self.is_last_stage(chunk):
-                        if not forward_only and out.numel() != 1:
-                            raise ValueError(
-                                f"forward_step(chunk={chunk}, microbatch={mb}) on the last virtual stage must return "
-                                f"the scalar loss; got shape {tuple(out.shape)}."
-                            )
-                        outputs[mb] = out.detach()
-                    else:
-                        send(i, "forward", out, mb)
-                        if not forward_only and self.deallocate_outputs:
-                            counters["freed_bytes"] += _pseudo_free(out)
-                    if not forward_only:
-                        stored[(chunk, mb)] = (inp, out)
-                        self.peak_in_flight = max(self.peak_in_flight, len(stored))
-                    del inp, out
+                    run.forward(i, chunk, mb, forward_step, on_forward)
                 else:
-                    inp, out = stored.pop((chunk, mb))
-                    if self.is_last_stage(chunk):
-                        if self.overlap_p2p_comm:
-                            post_until(i + 1)
-                        loss = out.reshape(()) if loss_scale == 1.0 else out.reshape(()) * loss_scale
-                        (backward_fn or torch.autograd.backward)(loss)
-                        del loss
-                    else:
-                        grad = take_input(i)
-                        if self.overlap_p2p_comm:
-                            post_until(i + 1)
-                        if out.requires_grad:
-                            torch.autograd.backward(out, grad)
-                        del grad
-                    counters["backwards"] += 1
-                    if not self.is_first_stage(chunk):
-                        assert inp is not None
-                        g = inp.grad if inp.grad is not None else torch.zeros_like(inp)
-                        send(i, "backward", g, mb)
-                        del g
-                    del inp, out
+                    run.backward(i, chunk, mb)
                     if on_backward is not None:
                         on_backward(chunk, mb)
-            comm.wait_all()
+            self.comm.wait_all()
         finally:
-            stored.clear()
-            handles.clear()
-            counters["peak_in_flight"] = self.peak_in_flight
-            self.last_run = counters
-        return outputs
+            run.close()
+        return run.outputs
+
+
+class _ScheduleRun:
+    """The state of one :meth:`PipelineExecutor.run`: posted receives, stored activations, counters."""
+
+    def __init__(self, ex: PipelineExecutor, plan: list, num_microbatches: int, forward_only: bool,
+                 loss_scale: float, backward_fn: Callable[[Tensor], None] | None) -> None:
+        self.ex, self.comm, self.plan = ex, ex.comm, plan
+        self.forward_only, self.loss_scale = forward_only, loss_scale
+        self.backward_fn = backward_fn or torch.autograd.backward
+        self.outputs: list = [None] * num_microbatches if ex.holds_last_stage else []
+        self.stored: dict[tuple[int, int], tuple[Tensor | None, Tensor]] = {}
+        self.handles: dict[int, RecvHandle] = {}  # step index -> posted receive
+        self.recv_needed = [ex._needed_recv(s) for s in plan]
+        self.counters = {"forwards": 0, "backwards": 0, "freed_bytes": 0, "peak_in_flight": 0}
+        self.next_to_post = 0  # receives are posted strictly in schedule order
+        ex.peak_in_flight = 0
+
+    def post_until(self, limit: int) -> None:
+        """Post the receives of steps [next_to_post, limit]."""
+        while self.next_to_post <= min(limit, len(self.plan) - 1):
+            i = self.next_to_post
+            self.next_to_post += 1
+            if self.recv_needed[i] is not None:
+                self.handles[i] = self.comm.send_and_irecv(None, None, self.recv_needed[i],
+                                                           expect_microbatch=self.plan[i][2])
+
+    def send(self, i: int, direction: str, tensor: Tensor, mb: int) -> None:
+        """Send; fuse it with the next step's receive when that is not posted yet."""
+        j = i + 1
+        fuse = not self.ex.overlap_p2p_comm and self.next_to_post == j and j < len(self.plan)
+        if fuse and self.recv_needed[j] is not None:
+            self.next_to_post = j + 1
+            self.handles[j] = self.comm.send_and_irecv(
+                direction, tensor, self.recv_needed[j], microbatch=mb, expect_microbatch=self.plan[j][2]
+            )
+        else:
+            self.comm.send_and_irecv(direction, tensor, None, microbatch=mb)
+
+    def forward(self, i: int, chunk: int, mb: int, forward_step: ForwardStep, on_forward: StepCallback | None) -> None:
+        ex, inp = self.ex, None
+        if not ex.is_first_stage(chunk):
+            inp = self.handles.pop(i).wait()
+            if not self.forward_only:
+                inp.requires_grad_(True)
+        if ex.overlap_p2p_comm:
+            self.post_until(i + 1)
+        if on_forward is not None:
+            on_forward(chunk, mb)
+        with torch.no_grad() if self.forward_only else torch.enable_grad():
+            out = forward_step(chunk, mb, inp)
+        self.counters["forwards"] += 1
+        _check_output(out, chunk, mb, last=ex.is_last_stage(chunk), needs_scalar=not self.forward_only)
+        if ex.is_last_stage(chunk):
+            self.outputs[mb] = out.detach()
+        else:
+            self.send(i, "forward", out, mb)
+            if not self.forward_only and ex.deallocate_outputs:
+                self.counters["freed_bytes"] += _pseudo_free(out)
+        if not self.forward_only:
+            self.stored[(chunk, mb)] = (inp, out)
+            ex.peak_in_flight = max(ex.peak_in_flight, len(self.stored))
+
+    def backward(self, i: int, chunk: int, mb: int) -> None:
+        ex = self.ex
+        inp, out = self.stored.pop((chunk, mb))
+        if ex.is_last_stage(chunk):
+            if ex.overlap_p2p_comm:
+                self.post_until(i + 1)
+            loss = out.reshape(()) if self.loss_scale == 1.0 else out.reshape(()) * self.loss_scale
+            self.backward_fn(loss)
+        else:
+            grad = self.handles.pop(i).wait()
+            if ex.overlap_p2p_comm:
+                self.post_until(i + 1)
+            if out.requires_grad:
+                torch.autograd.backward(out, grad)
+        self.counters["backwards"] += 1
+        if not ex.is_first_stage(chunk):
+            assert inp is not None
+            self.send(i, "backward", inp.grad if inp.grad is not None else torch.zeros_like(inp), mb)
+
+    def close(self) -> None:
+        self.stored.clear()
+        self.handles.clear()
+        self.counters["peak_in_flight"] = self.ex.peak_in_flight
+        self.ex.last_run = self.counters
+
+
+def _check_output(out: object, chunk: int, mb: int, *, last: bool, needs_scalar: bool) -> None:
+    if not isinstance(out, Tensor):
+        raise TypeError(
+            f"forward_step(chunk={chunk}, microbatch={mb}) returned {type(out).__name__}; it must "
+            f"return a Tensor (the loss on the last virtual stage, the activation elsewhere)."
+        )
+    if last and needs_scalar and out.numel() != 1:
+        raise ValueError(
+            f"forward_step(chunk={chunk}, microbatch={mb}) on the last virtual stage must return "
+            f"the scalar loss; got shape {tuple(out.shape)}."
+        )
 
 
 def _pseudo_free(out: Tensor) -> int:

@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-__all__ = ["broadcast_module_states", "reduce_over", "set_metric_process_group"]
+__all__ = ["agree_everywhere", "broadcast_module_states", "reduce_over", "set_metric_process_group"]
 
 _OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
 
@@ -55,3 +55,17 @@ def set_metric_process_group(module: nn.Module, group) -> None:
     for m in module.modules():
         if isinstance(m, Metric):
             m.process_group = group
+
+
+def agree_everywhere(decision: bool, *, all: bool, device: torch.device) -> bool:
+    """``decision`` taken by every rank (``all=True``) or by any rank (``all=False``).
+
+    Every process must take the same decision (saving a checkpoint is collective), so the vote is
+    over the world, not over replicas: Lightning's DDP version compares a sum over ``reduce``'s
+    group with the world size, which is never equal once ``reduce`` means "over replicas".
+    """
+    if not dist.is_initialized():
+        return bool(decision)
+    votes = torch.tensor([int(bool(decision))], device=device)
+    dist.all_reduce(votes, op=dist.ReduceOp.SUM)
+    return bool(votes.item() == dist.get_world_size()) if all else bool(votes.item() > 0)

@@ -30,7 +30,7 @@ from megastrategy.config import MegatronConfig, split_strategy_arguments
 from megastrategy.parallel_state import ParallelLayout, ParallelState
 from megastrategy.pipeline.step_runner import StepRunner
 from megastrategy.precision import adopt_precision_plugin, loss_scaler
-from megastrategy.replicas import broadcast_module_states, reduce_over, set_metric_process_group
+from megastrategy.replicas import agree_everywhere, broadcast_module_states, reduce_over, set_metric_process_group
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -260,6 +260,15 @@ class MegatronStrategy(DDPStrategy):
         if not isinstance(tensor, torch.Tensor) or self.parallel_state is None or not dist.is_initialized():
             return tensor
         return reduce_over(tensor, self.parallel_state.dp_group if group is None else group, reduce_op)
+
+    def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
+        return agree_everywhere(decision, all=all, device=self.root_device)
+
+    def all_gather(self, tensor: torch.Tensor, group: Optional[Any] = None, sync_grads: bool = False) -> torch.Tensor:
+        """Gather over data-parallel replicas, so every example appears once (as under DDP).
+        ``LightningModule.all_gather`` passes the world group by default: that means replicas here."""
+        group = self._state().dp_group if group in (None, dist.group.WORLD) else group
+        return super().all_gather(tensor, group=group, sync_grads=sync_grads)
 
     # ------------------------------------------------------------------ checkpoints
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath, storage_options: Optional[Any] = None) -> None:

@@ -52,7 +52,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import bench_tp as common  # noqa: E402  (shared tables/report; puts src/ on sys.path)
+import common  # noqa: E402  (shared tables/report; puts src/ on sys.path)
 
 import torch  # noqa: E402
 

@@ -27,88 +27,18 @@ import datetime as _dt
 import json
 import os
 import platform
-import queue
-import socket
 import statistics
 import sys
 import time
-import traceback
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
-os.environ["OMP_NUM_THREADS"] = "1"  # before torch is imported, here and in every child
-
-REPO = Path(__file__).resolve().parents[1]
-RESULTS = REPO / "bench" / "results"
-if str(REPO / "src") not in sys.path:
-    sys.path.insert(0, str(REPO / "src"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import RESULTS, spawn  # noqa: E402  (sets OMP_NUM_THREADS=1 before torch; puts src/ on sys.path)
 
 import torch  # noqa: E402
 
 HIDDEN, FFN, EXPERTS, TOP_K = 256, 512, 8, 2
-
-
-# ======================================================================================
-# processes
-# ======================================================================================
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _entry(fn, rank, world, port, args, results):
-    os.environ["OMP_NUM_THREADS"] = "1"
-    import torch.distributed as dist
-
-    torch.set_num_threads(1)
-    try:
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-        results.put((rank, True, fn(rank, world, *args)))
-    except BaseException:  # noqa: BLE001
-        results.put((rank, False, traceback.format_exc()))
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
-
-
-def spawn(fn: Callable, world: int, *args: Any, timeout: float = 600.0) -> list[Any]:
-    import torch.multiprocessing as mp
-
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    port = _free_port()
-    procs = [ctx.Process(target=_entry, args=(fn, r, world, port, args, results), daemon=True) for r in range(world)]
-    for p in procs:
-        p.start()
-    deadline, values, error = time.monotonic() + timeout, {}, None
-    try:
-        while len(values) < world and error is None:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                error = f"timed out after {timeout:.0f}s"
-                break
-            try:
-                rank, ok, value = results.get(timeout=min(left, 1.0))
-            except queue.Empty:
-                if any(p.exitcode not in (None, 0) for p in procs):
-                    time.sleep(0.5)
-                    if results.empty():
-                        error = "a rank died"
-                continue
-            if ok:
-                values[rank] = value
-            else:
-                error = f"rank {rank} failed:\n{value}"
-    finally:
-        for p in procs:
-            p.join(timeout=5 if error is None else 0)
-            if p.is_alive():
-                p.kill()
-                p.join()
-    if error:
-        raise RuntimeError(error)
-    return [values[r] for r in range(world)]
 
 
 # ======================================================================================
@@ -155,7 +85,7 @@ def moe_worker(rank: int, world: int, dispatcher: str, tokens: int, iters: int, 
 
 
 def run(dispatcher: str, ep: int, tokens: int, iters: int, warmup: int) -> dict:
-    per_rank = spawn(moe_worker, ep, dispatcher, tokens, iters, warmup)
+    per_rank = spawn(moe_worker, ep, dispatcher, tokens, iters, warmup, timeout=600.0)
     step = max(r["step_s"] for r in per_rank)
     ops: dict[str, int] = {}
     for r in per_rank:

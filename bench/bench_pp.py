@@ -23,7 +23,7 @@ Sections (real processes, gloo over 127.0.0.1, one thread each):
    pp=2, vp=2) beside plain single-device Lightning, for context.
 
 Results are printed and written to bench/results/bench_pp.{json,md}. Shared helpers
-(launchers, tables, machine info, the Lightning worker) come from bench_tp.py.
+(launchers, tables, machine info) come from common.py, the Lightning runs from lightning_runs.py.
 """
 from __future__ import annotations
 
@@ -38,7 +38,8 @@ import weakref
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import bench_tp as common  # noqa: E402  (sets OMP_NUM_THREADS=1 before torch is imported)
+import common  # noqa: E402  (sets OMP_NUM_THREADS=1 before torch is imported)
+import lightning_runs  # noqa: E402
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
@@ -564,17 +565,17 @@ def section_lightning(report: common.Report, steps: int, warmup: int, batch: int
         (f"MegatronStrategy(pp=2, vp=2, num_microbatches={micro})", 2, {"strategy": "megatron", "pp": 2, "vp": 2,
                                                                       "num_microbatches": micro}),
     ]
-    res = common.run_lightning_set(runs, base, repeats, timeout)
+    res = lightning_runs.run_lightning_set(runs, base, repeats, timeout)
     plain = res[runs[0][0]]
     rows = []
     for name, n, cfg in runs:
         r = res[name]
         rows.append([name, n, f"{batch} / {batch}", r["median_ms"], f"{common.fmt_num(r['p10_ms'])}-"
                      f"{common.fmt_num(r['p90_ms'])}", r["cpu_ms"], r["iteration_ms"],
-                     common.ratio(r["median_ms"], plain["median_ms"]), common.loss_gap(r["losses"], plain["losses"]),
+                     common.ratio(r["median_ms"], plain["median_ms"]), lightning_runs.loss_gap(r["losses"], plain["losses"]),
                      ", ".join(common.fmt_num(v) for v in r["all_medians_ms"]),
                      f"{r['loadavg_before']} -> {r['loadavg_after']}"])
-    cfg = common.GPT_CFG
+    cfg = lightning_runs.GPT_CFG
     report.table(
         f"4. Lightning training step, GPT example with MegatronStrategy(pp=2) (d_model={cfg['d_model']}, "
         f"{cfg['n_layer']} layers, seq={cfg['seq_len']}), median over {steps} steps after {warmup} warm-up",
@@ -582,7 +583,7 @@ def section_lightning(report: common.Report, steps: int, warmup: int, batch: int
          "median iteration ms", "step vs plain", "max rel. loss diff vs plain", "all medians ms",
          "load avg before -> after"],
         rows,
-        notes=common.LIGHTNING_NOTES + [
+        notes=lightning_runs.LIGHTNING_NOTES + [
             f"pipeline rows: 2 processes on {os.cpu_count()} cores, each stage holding half the blocks; the step includes "
             "the schedule, the tied-embedding gradient all-reduce between first and last stage, and the broadcast of the "
             "logged values from the last stage. Context only: a 4-layer model with tiny microbatches is dominated by "
@@ -613,7 +614,7 @@ def main() -> None:
     config = {"model": {"layers": LAYERS, "hidden": HIDDEN, "ffn": FFN_MULT * HIDDEN, "block": "pre-LN MLP"},
               "microbatches": args.microbatches, "microbatch": [args.mb, args.seq], "steps": args.steps,
               "warmup": args.warmup, "configs": CONFIGS,
-              "lightning": {**common.GPT_CFG, "steps": args.lightning_steps, "warmup": args.lightning_warmup,
+              "lightning": {**lightning_runs.GPT_CFG, "steps": args.lightning_steps, "warmup": args.lightning_warmup,
                             "global_batch": args.batch, "num_microbatches": args.lightning_microbatches,
                             "repeats": args.repeats}}
     report = common.Report("bench_pp", "megastrategy pipeline-parallel benchmark (bench/bench_pp.py)",

@@ -18,296 +18,24 @@ Sections (all on real processes: gloo over 127.0.0.1, one thread per process):
 3. Lightning step time: MegatronStrategy(tp=1) vs Lightning's default single-device
    strategy on one process, and MegatronStrategy(tp=2) vs DDP on two processes.
 
-Results are printed and written to bench/results/bench_tp.{json,md}. ``bench_pp.py``
-imports the small helpers below (machine info, launchers, tables).
+Results are printed and written to bench/results/bench_tp.{json,md}. Shared helpers (machine
+info, launchers, tables) are in ``common.py``, the Lightning runs in ``lightning_runs.py``.
 """
 from __future__ import annotations
 
 import argparse
-import datetime as _dt
-import json
 import os
-import platform
-import queue
-import resource
-import socket
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
-import traceback
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-os.environ["OMP_NUM_THREADS"] = "1"  # before torch is imported, here and in every child
-os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-
-REPO = Path(__file__).resolve().parents[1]
-RESULTS = REPO / "bench" / "results"
-for _p in (REPO / "src", REPO / "examples"):
-    if str(_p) not in sys.path:
-        sys.path.insert(0, str(_p))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import RESULTS, Report, fmt_num, machine_info, ratio, spawn  # noqa: E402  (sets OMP_NUM_THREADS=1 before torch)
+from lightning_runs import GPT_CFG, LIGHTNING_NOTES, loss_gap, run_lightning_set  # noqa: E402
 
 import torch  # noqa: E402
-
-# ======================================================================================
-# shared helpers (also used by bench_pp.py)
-# ======================================================================================
-
-
-def machine_info() -> dict[str, Any]:
-    """Date, CPU and software versions, for the header of every result."""
-    cpu = "unknown"
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.lower().startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    try:
-        usable = len(os.sched_getaffinity(0))
-    except AttributeError:  # pragma: no cover - not Linux
-        usable = os.cpu_count()
-    try:
-        import lightning
-
-        lightning_version = lightning.__version__
-    except ImportError:  # pragma: no cover
-        lightning_version = "n/a"
-    mem_gib = None
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemTotal:"):
-                mem_gib = round(int(line.split()[1]) / 2**20, 1)
-    except OSError:
-        pass
-    return {
-        "date": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC"),
-        "cpu_model": cpu,
-        "cpu_cores": os.cpu_count(),
-        "usable_cores": usable,
-        "memory_gib": mem_gib,
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "lightning": lightning_version,
-        "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
-        "platform": platform.platform(),
-    }
-
-
-def machine_line(info: dict[str, Any]) -> str:
-    return (
-        f"date: {info['date']} | machine: {info['cpu_cores']} cores ({info['usable_cores']} usable), "
-        f"{info['cpu_model']}, {info['memory_gib']} GiB | torch {info['torch']}, lightning "
-        f"{info['lightning']}, python {info['python']}, OMP_NUM_THREADS={info['omp_num_threads']}"
-    )
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _spawn_entry(fn, rank, world, port, args, results):
-    os.environ["OMP_NUM_THREADS"] = "1"
-    import torch as _torch
-    import torch.distributed as dist
-
-    _torch.set_num_threads(1)
-    try:
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-        results.put((rank, True, fn(rank, world, *args)))
-    except BaseException:  # noqa: BLE001 - everything goes back to the parent
-        results.put((rank, False, traceback.format_exc()))
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
-
-
-def spawn(fn: Callable, world: int, *args: Any, timeout: float = 300.0) -> list[Any]:
-    """Run ``fn(rank, world, *args)`` on ``world`` fresh processes (gloo initialized);
-    return the values by rank. Any failure or the timeout kills every process."""
-    import torch.multiprocessing as mp
-
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=_spawn_entry, args=(fn, r, world, port, args, results), daemon=True)
-             for r in range(world)]
-    for p in procs:
-        p.start()
-    deadline = time.monotonic() + timeout
-    values: dict[int, Any] = {}
-    error = None
-    try:
-        while len(values) < world and error is None:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                error = f"timed out after {timeout:.0f}s (finished ranks: {sorted(values)})"
-                break
-            try:
-                rank, ok, value = results.get(timeout=min(left, 1.0))
-            except queue.Empty:
-                dead = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0)]
-                if dead:
-                    time.sleep(0.5)
-                    if results.empty():
-                        error = f"ranks {dead} died with exit codes {[procs[r].exitcode for r in dead]}"
-                continue
-            if ok:
-                values[rank] = value
-            else:
-                error = f"rank {rank} failed:\n{value}"
-    finally:
-        for p in procs:
-            p.join(timeout=5 if error is None else 0)
-            if p.is_alive():
-                p.kill()
-                p.join()
-    if error is not None:
-        raise RuntimeError(f"{getattr(fn, '__name__', fn)} on {world} processes: {error}")
-    return [values[r] for r in range(world)]
-
-
-def launch_script(script: Path, nprocs: int, argv: list[str], timeout: float, *, torchrun_env: bool = True) -> list[str]:
-    """Start ``python script argv`` on ``nprocs`` processes (torchrun-style environment unless
-    ``torchrun_env`` is False); return each rank's output. Kills all on failure or timeout."""
-    env = dict(os.environ)
-    for key in ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK", "NODE_RANK", "LOCAL_WORLD_SIZE"):
-        env.pop(key, None)
-    env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false",
-               PYTHONPATH=os.pathsep.join([str(REPO / "src"), str(REPO), env.get("PYTHONPATH", "")]))
-    if torchrun_env:
-        env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), WORLD_SIZE=str(nprocs), NODE_RANK="0")
-    procs, logs = [], []
-    for rank in range(nprocs):
-        penv = dict(env)
-        if torchrun_env:
-            penv.update(RANK=str(rank), LOCAL_RANK=str(rank))
-        log = tempfile.TemporaryFile(mode="w+")
-        logs.append(log)
-        procs.append(subprocess.Popen([sys.executable, str(script), *argv], env=penv, stdout=log,
-                                      stderr=subprocess.STDOUT, cwd=str(REPO)))
-    deadline = time.monotonic() + timeout
-    failure = None
-    try:
-        while True:
-            codes = [p.poll() for p in procs]
-            bad = [r for r, c in enumerate(codes) if c not in (None, 0)]
-            if bad:
-                failure = f"rank {bad[0]} exited with code {codes[bad[0]]}"
-                break
-            if all(c == 0 for c in codes):
-                break
-            if time.monotonic() > deadline:
-                failure = f"timed out after {timeout:.0f}s"
-                break
-            time.sleep(0.2)
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-        for p in procs:
-            p.wait()
-    outputs = []
-    for log in logs:
-        log.seek(0)
-        outputs.append(log.read())
-        log.close()
-    if failure:
-        tails = "\n".join(f"----- rank {r} -----\n{o[-4000:]}" for r, o in enumerate(outputs))
-        raise RuntimeError(f"{script.name} {' '.join(argv)[:200]} on {nprocs} processes: {failure}\n{tails}")
-    return outputs
-
-
-def fmt_num(x: Any, digits: int = 3) -> str:
-    if x is None:
-        return "-"
-    if isinstance(x, bool):
-        return str(x)
-    if isinstance(x, int):
-        return f"{x:,}"
-    if isinstance(x, float):
-        if x != x:
-            return "nan"
-        if x == 0:
-            return "0"
-        if abs(x) >= 1000:
-            return f"{x:,.0f}"
-        if abs(x) < 1e-3:
-            return f"{x:.2e}"
-        return f"{x:.{digits}g}" if abs(x) < 1 else f"{x:.{max(digits - 1, 1)}f}".rstrip("0").rstrip(".")
-    return str(x)
-
-
-def text_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
-    cells = [[str(h) for h in headers]] + [[c if isinstance(c, str) else fmt_num(c) for c in row] for row in rows]
-    widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
-    sep = "-+-".join("-" * w for w in widths)
-    lines = [" | ".join(c.ljust(w) for c, w in zip(cells[0], widths)), sep]
-    lines += [" | ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths))) for r in cells[1:]]
-    return "\n".join(lines)
-
-
-def md_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
-    def esc(c: Any) -> str:
-        return (c if isinstance(c, str) else fmt_num(c)).replace("|", "\\|")
-
-    out = ["| " + " | ".join(esc(h) for h in headers) + " |", "|" + "|".join("---" for _ in headers) + "|"]
-    out += ["| " + " | ".join(esc(c) for c in row) + " |" for row in rows]
-    return "\n".join(out)
-
-
-class Report:
-    """Collects titled tables and notes; prints them as they come and saves JSON + markdown."""
-
-    def __init__(self, name: str, title: str, info: dict[str, Any], config: dict[str, Any]):
-        self.name, self.title, self.info, self.config = name, title, info, config
-        self.sections: list[dict[str, Any]] = []
-        print(f"# {title}\n{machine_line(info)}\n", flush=True)
-
-    def table(self, title: str, headers: Sequence[str], rows: Sequence[Sequence[Any]], notes: Sequence[str] = (),
-              raw: Any = None) -> None:
-        self.sections.append({"title": title, "headers": list(headers), "rows": [list(r) for r in rows],
-                              "notes": list(notes), "raw": raw})
-        print(f"## {title}\n{text_table(headers, rows)}", flush=True)
-        for n in notes:
-            print(f"  * {n}", flush=True)
-        print(flush=True)
-
-    def save(self, out_dir: Path) -> tuple[Path, Path]:
-        out_dir.mkdir(parents=True, exist_ok=True)
-        js = out_dir / f"{self.name}.json"
-        md = out_dir / f"{self.name}.md"
-        js.write_text(json.dumps({"title": self.title, "machine": self.info, "config": self.config,
-                                  "sections": self.sections}, indent=1, default=str))
-        parts = [f"# {self.title}", "", machine_line(self.info), "",
-                 "config: `" + json.dumps(self.config, default=str) + "`", ""]
-        for s in self.sections:
-            parts += [f"## {s['title']}", "", md_table(s["headers"], s["rows"]), ""]
-            parts += [f"* {n}" for n in s["notes"]]
-            if s["notes"]:
-                parts.append("")
-        md.write_text("\n".join(parts))
-        return js, md
-
-
-def pct(values: Sequence[float], q: float) -> float:
-    v = sorted(values)
-    if not v:
-        return float("nan")
-    k = (len(v) - 1) * q
-    lo, hi = int(k), min(int(k) + 1, len(v) - 1)
-    return v[lo] + (v[hi] - v[lo]) * (k - lo)
-
-
-def ratio(a: float | None, b: float | None) -> float | None:
-    if a is None or b is None or b == 0:
-        return None
-    return a / b
 
 
 # ======================================================================================
@@ -691,156 +419,8 @@ def section_comm(report: Report, tps: Sequence[int], vocab_tps: Sequence[int], i
 
 
 # ======================================================================================
-# section 3: Lightning step time
+# section 3: Lightning step time (the runs themselves: lightning_runs.py)
 # ======================================================================================
-GPT_CFG = {"d_model": 128, "n_head": 4, "n_layer": 4, "seq_len": 64, "lr": 1e-3}
-
-
-def lightning_worker(cfg: dict) -> None:
-    """One training run (this process = one rank); writes its step times to cfg['out'].rankR.json."""
-    import lightning as L
-    from lightning.pytorch.callbacks import Callback
-    from torch.utils.data import DataLoader
-
-    from pretrain_gpt import BUILTIN_CORPUS, GPT, CharCorpus
-
-    torch.set_num_threads(1)
-    rank = int(os.environ.get("RANK", "0"))
-
-    class StepTimer(Callback):
-        def __init__(self):
-            self.step, self.iteration, self.loss, self.cpu = [], [], [], []
-            self._t0 = self._last_end = None
-
-        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-            self._c0 = time.process_time()
-            self._t0 = time.perf_counter()
-
-        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-            now = time.perf_counter()
-            self.cpu.append(time.process_time() - self._c0)
-            self.step.append(now - self._t0)
-            if self._last_end is not None:
-                self.iteration.append(now - self._last_end)
-            self._last_end = now
-            loss = outputs["loss"] if isinstance(outputs, dict) else outputs
-            self.loss.append(float(loss) if loss is not None else float("nan"))
-
-    L.seed_everything(0, verbose=False)
-    text = BUILTIN_CORPUS * 4
-    vocab = sorted(set(text))
-    data = CharCorpus(text, GPT_CFG["seq_len"], vocab)
-    model = GPT(len(vocab), GPT_CFG["seq_len"], GPT_CFG["d_model"], GPT_CFG["n_head"], cfg.get("n_layer", GPT_CFG["n_layer"]),
-                GPT_CFG["lr"])
-    kind = cfg["strategy"]
-    if kind == "plain":
-        strategy, devices = "auto", 1
-    elif kind == "ddp":
-        from lightning.pytorch.strategies import DDPStrategy
-
-        strategy, devices = DDPStrategy(), int(os.environ["WORLD_SIZE"])
-    else:
-        from megastrategy import MegatronStrategy
-
-        strategy = MegatronStrategy(tp=cfg.get("tp", 1), pp=cfg.get("pp", 1), vp=cfg.get("vp"),
-                                    num_microbatches=cfg.get("num_microbatches"),
-                                    tp_plan=GPT.TP_PLAN if cfg.get("tp", 1) > 1 else None)
-        devices = int(os.environ.get("WORLD_SIZE", "1"))
-    timer = StepTimer()
-    # Every run sees the same global batches in the same order: Lightning's automatic
-    # distributed sampler would shuffle (it always does for training), so it is off and
-    # DDP gets an explicit non-shuffling DistributedSampler; TP/PP ranks all read the full batch.
-    sampler = None
-    if kind == "ddp":
-        from torch.utils.data.distributed import DistributedSampler
-
-        sampler = DistributedSampler(data, num_replicas=devices, rank=rank, shuffle=False)
-    trainer = L.Trainer(
-        accelerator="cpu", devices=devices, strategy=strategy, max_steps=cfg["steps"], limit_val_batches=0,
-        num_sanity_val_steps=0, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-        enable_model_summary=False, callbacks=[timer], use_distributed_sampler=False,
-    )
-    t0 = time.perf_counter()
-    trainer.fit(model, DataLoader(data, batch_size=cfg["batch_size"], shuffle=False, sampler=sampler))
-    wall = time.perf_counter() - t0
-    Path(f"{cfg['out']}.rank{rank}.json").write_text(json.dumps({
-        "rank": rank, "step": timer.step, "cpu": timer.cpu, "iteration": timer.iteration, "loss": timer.loss, "fit_wall_s": wall,
-        "strategy_class": type(trainer.strategy).__name__,
-        "max_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
-    }))
-
-
-def load_average() -> str:
-    try:
-        return " ".join(Path("/proc/loadavg").read_text().split()[:3])
-    except OSError:  # pragma: no cover
-        return "n/a"
-
-
-def run_lightning(cfg: dict, nprocs: int, timeout: float) -> dict:
-    """Launch one Lightning run; summarize the measured steps (after ``cfg['warmup']``)."""
-    tmp = Path(tempfile.mkdtemp(prefix="megabench-"))
-    cfg = dict(cfg, out=str(tmp / "run"))
-    load_before = load_average()
-    launch_script(Path(__file__).resolve(), nprocs, ["--lightning-worker", json.dumps(cfg)], timeout,
-                  torchrun_env=cfg["strategy"] != "plain")
-    ranks = [json.loads(Path(f"{cfg['out']}.rank{r}.json").read_text()) for r in range(nprocs)]
-    w = cfg["warmup"]
-    med = [statistics.median(r["step"][w:]) for r in ranks]
-    cpu = [statistics.median(r["cpu"][w:]) for r in ranks]
-    it = [statistics.median(r["iteration"][w:]) for r in ranks if len(r["iteration"]) > w]
-    slow = max(range(nprocs), key=lambda i: med[i])
-    steps = ranks[slow]["step"][w:]
-    if cfg["strategy"] == "ddp":  # each rank logged the loss of its half batch: average them
-        losses = [sum(v) / nprocs for v in zip(*(r["loss"] for r in ranks))]
-    else:  # TP/PP ranks report the loss of the whole batch
-        losses = ranks[0]["loss"]
-    return {
-        "median_ms": max(med) * 1e3, "p10_ms": pct(steps, 0.1) * 1e3, "p90_ms": pct(steps, 0.9) * 1e3,
-        "cpu_ms": max(cpu) * 1e3, "iteration_ms": max(it) * 1e3 if it else None, "measured_steps": len(steps),
-        "final_loss": losses[-1] if losses else None, "losses": losses,
-        "strategy_class": ranks[0]["strategy_class"], "per_rank_median_ms": [m * 1e3 for m in med],
-        "max_rss_mib": max(r["max_rss_mib"] for r in ranks), "loadavg_before": load_before,
-        "loadavg_after": load_average(),
-    }
-
-
-def run_lightning_set(runs: list[tuple[str, int, dict]], base: dict, repeats: int, timeout: float) -> dict[str, dict]:
-    """Run every configuration ``repeats`` times, interleaved (A B C A B C ...), and keep, per
-    configuration, the run with the lowest median step (the least disturbed by other load)."""
-    best: dict[str, dict] = {}
-    for rep in range(repeats):
-        for name, n, cfg in runs:
-            t0 = time.perf_counter()
-            r = run_lightning({**base, **cfg}, n, timeout)
-            print(f"  [{name} (run {rep + 1}/{repeats}): {time.perf_counter() - t0:.1f}s, median step "
-                  f"{r['median_ms']:.1f} ms, cpu {r['cpu_ms']:.1f} ms, load {r['loadavg_before']}]", flush=True)
-            all_medians = best.get(name, {}).get("all_medians_ms", []) + [r["median_ms"]]
-            if name not in best or r["median_ms"] < best[name]["median_ms"]:
-                best[name] = r
-            best[name]["all_medians_ms"] = all_medians
-    return best
-
-
-def loss_gap(losses: list[float], ref: list[float]) -> float | None:
-    if not losses or not ref:
-        return None
-    return max(abs(a - b) / max(abs(b), 1e-12) for a, b in zip(losses, ref))
-
-
-LIGHTNING_NOTES = [
-    "step = Callback on_train_batch_start -> on_train_batch_end (forward, backward, optimizer step, "
-    "gradient reduction); iteration = on_train_batch_end -> next on_train_batch_end (adds data loading and "
-    "batch_to_device, where MegatronStrategy broadcasts the batch over the TP group when tp > 1). "
-    "cpu ms = process CPU time in the same window (all threads): insensitive to time the process spent descheduled.",
-    "multi-process rows report the slowest rank's median; each configuration ran --repeats times interleaved and the "
-    "run with the lowest median is shown ('all medians' lists every run).",
-    "loss column: every run trains the same model from the same seed on the same global batches in the same order "
-    "(Lightning's shuffling distributed sampler is replaced, see the script), so each step's loss should equal plain "
-    "Lightning's up to float rounding; shown is the largest relative difference over all steps.",
-]
-
-
 def section_lightning(report: Report, steps: int, warmup: int, batch: int, repeats: int, timeout: float) -> None:
     base = {"steps": steps + warmup, "warmup": warmup}
     runs = [
@@ -886,7 +466,6 @@ def section_lightning(report: Report, steps: int, warmup: int, batch: int, repea
 # ======================================================================================
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--lightning-worker", help=argparse.SUPPRESS)
     p.add_argument("--tps", default="1,2,4", help="tensor-parallel sizes for sections 1-2 (default 1,2,4)")
     p.add_argument("--vocab-tps", default="2", help="tensor-parallel sizes for the head + loss measurement (default 2)")
     p.add_argument("--iters", type=int, default=20, help="timed forward+backward iterations per layer")
@@ -899,9 +478,6 @@ def main() -> None:
     p.add_argument("--timeout", type=float, default=300, help="hard limit per launched job, seconds")
     p.add_argument("--out-dir", type=Path, default=RESULTS)
     args = p.parse_args()
-    if args.lightning_worker:
-        lightning_worker(json.loads(args.lightning_worker))
-        return
     torch.set_num_threads(1)
     tps = [int(t) for t in args.tps.split(",")]
     vocab_tps = [int(t) for t in args.vocab_tps.split(",") if t]

@@ -19,14 +19,11 @@ from typing import Optional
 
 import torch.distributed as dist
 
+from megastrategy.divisors import divisors
 from megastrategy.errors import MegatronConfigError
 
 DEFAULT_ORDER = "tp-cp-ep-dp-pp"
 _DIMS = ("tp", "cp", "ep", "dp", "pp")
-
-
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
 
 
 class RankGenerator:
@@ -125,14 +122,14 @@ class ParallelLayout:
             raise MegatronConfigError(
                 f"world size {self.world_size} is not divisible by tp·pp·cp = {self.tp}·{self.pp}·{self.cp} = {dense}; "
                 f"the data-parallel size is world/(tp·pp·cp). Use a world size that is a multiple of {dense}, "
-                f"or tp·pp·cp among the divisors of {self.world_size}: {_divisors(self.world_size)}."
+                f"or tp·pp·cp among the divisors of {self.world_size}: {divisors(self.world_size)}."
             )
         expert = self.etp * self.ep * self.pp
         if self.world_size % expert:
             raise MegatronConfigError(
                 f"world size {self.world_size} is not divisible by etp·ep·pp = {self.etp}·{self.ep}·{self.pp} = {expert}; "
                 f"the expert-data-parallel size is world/(etp·ep·pp). Choose etp·ep·pp among the divisors of "
-                f"{self.world_size}: {_divisors(self.world_size)}."
+                f"{self.world_size}: {divisors(self.world_size)}."
             )
         if self.vp is not None:
             if not isinstance(self.vp, int) or self.vp < 1:

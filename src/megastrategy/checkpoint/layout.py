@@ -32,6 +32,7 @@ from typing import Any, Optional
 from torch import Tensor, nn
 
 from megastrategy.layers.shard_spec import ShardSpec, get_shard_spec, shard_full_tensor
+from megastrategy.moe.expert_attr import EXPERT_ATTR
 
 __all__ = ["TensorLayout", "ModuleLayout", "module_layout", "canonical_names"]
 
@@ -161,11 +162,6 @@ def _transposed_keys(module: nn.Module, plan: Any) -> set[str]:
         if m is not None and not is_conv1d(m):  # replaced by a parallel layer (tp > 1)
             out.add(f"{entry.name}.weight" if entry.name else "weight")
     return out
-
-
-#: attribute of MoE expert parameters (``megastrategy.moe.experts.ExpertParamInfo``): global expert
-#: index, and the dimension split over expert-TP (``etp_dim``, ``etp_size``, ``etp_rank``)
-EXPERT_ATTR = "megastrategy_expert"
 
 
 def _tensor_layout(key: str, name: str, t: Tensor, tp_rank: int, tp_size: int, transposed: bool) -> TensorLayout:

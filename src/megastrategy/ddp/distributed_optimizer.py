@@ -39,7 +39,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from megastrategy.ddp.grad_buffer import GradientBuffer, _all_gather_single, _is_unsupported_error, _unsupported
+from megastrategy.collectives import all_gather_single, try_fused
+from megastrategy.ddp.grad_buffer import GradientBuffer, _unsupported
 
 __all__ = ["DistributedOptimizer", "MainParamsOptimizer", "merge_sharded_state_dicts", "SHARDED_FORMAT", "MAIN_PARAM_KEY"]
 
@@ -278,14 +279,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if not self._sharded:
             return shard
         full = torch.empty(numel, dtype=shard.dtype, device=shard.device)
-        if "all_gather" not in _unsupported:
-            try:
-                _all_gather_single(full, shard, group=buffer.group)
-                return full
-            except (RuntimeError, NotImplementedError) as err:
-                if not _is_unsupported_error(err):
-                    raise
-                _unsupported.add("all_gather")
+        done, _ = try_fused("all_gather", all_gather_single, _unsupported, full, shard, group=buffer.group)
+        if done:
+            return full
         dist.all_gather(list(full.chunk(buffer.dp_size)), shard, group=buffer.group)
         return full
 

@@ -35,20 +35,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from megastrategy.collectives import reduce_scatter_single, try_fused
+
 DEFAULT_BUCKET_NUMEL = 40_000_000
 
-# Fused collectives a backend turned down (checked once per process).
+# Fused collectives a backend turned down (checked once per process; shared with the distributed optimizer).
 _unsupported: set[str] = set()
-# torch >= 2.13 renamed the fused collectives; older versions have only the old names.
-_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or getattr(dist, "reduce_scatter_tensor")
-_all_gather_single = getattr(dist, "all_gather_single", None) or getattr(dist, "all_gather_into_tensor")
-
-
-def _is_unsupported_error(err: Exception) -> bool:
-    msg = str(err).lower()
-    return isinstance(err, NotImplementedError) or any(
-        s in msg for s in ("not supported", "unsupported", "does not support", "not implemented")
-    )
 
 
 class _Bucket:
@@ -264,16 +256,14 @@ class GradientBuffer:
         """Average ``bucket`` over the group: all-reduce, or reduce-scatter into this rank's shard."""
         bucket.started = True
         bucket.data.div_(self.dp_size)
-        if self.distributed_optimizer and "reduce_scatter" not in _unsupported:
-            try:
-                bucket.work = _reduce_scatter_single(
-                    self.shard_of(bucket), bucket.data, op=dist.ReduceOp.SUM, group=self.group, async_op=async_op
-                )
+        if self.distributed_optimizer:
+            done, work = try_fused(
+                "reduce_scatter", reduce_scatter_single, _unsupported,
+                self.shard_of(bucket), bucket.data, op=dist.ReduceOp.SUM, group=self.group, async_op=async_op,
+            )
+            if done:
+                bucket.work = work
                 return
-            except (RuntimeError, NotImplementedError) as err:
-                if not _is_unsupported_error(err):
-                    raise
-                _unsupported.add("reduce_scatter")
         # all-reduce (also the fallback for a backend without reduce-scatter: every shard is valid)
         bucket.work = dist.all_reduce(bucket.data, group=self.group, async_op=async_op)
 

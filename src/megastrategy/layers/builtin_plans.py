@@ -59,6 +59,8 @@ from typing import Any, Iterable
 
 from torch import nn
 
+from megastrategy.naming import join_name
+
 __all__ = [
     "SizeCheck",
     "BuiltinUnit",
@@ -150,10 +152,6 @@ def is_hf_pretrained(module: nn.Module) -> bool:
     return any(cls.__name__ == "PreTrainedModel" for cls in type(module).__mro__)
 
 
-def _j(*parts: str) -> str:
-    return ".".join(p for p in parts if p)
-
-
 def _is_linear(m: Any) -> bool:
     return isinstance(m, nn.Linear) or (isinstance(m, nn.Module) and is_conv1d(m))
 
@@ -185,7 +183,7 @@ def _bert(name: str, m: nn.Module) -> Iterable[BuiltinUnit]:
             and all(_is_linear(getattr(sa, p, None)) for p in ("query", "key", "value"))
             and _is_linear(getattr(so, "dense", None))
         ):
-            owner = _j(name, "self")
+            owner = join_name(name, "self")
             heads = _int_attr(sa, "num_attention_heads")
             checks = [SizeCheck(owner, "num_attention_heads", heads, "attention heads")] if heads else []
             yield BuiltinUnit(
@@ -193,10 +191,10 @@ def _bert(name: str, m: nn.Module) -> Iterable[BuiltinUnit]:
                 kind="attention",
                 owner=owner,
                 members=[
-                    (_j(owner, "query"), "column", {}),
-                    (_j(owner, "key"), "column", {}),
-                    (_j(owner, "value"), "column", {}),
-                    (_j(name, "output.dense"), "row", {}),
+                    (join_name(owner, "query"), "column", {}),
+                    (join_name(owner, "key"), "column", {}),
+                    (join_name(owner, "value"), "column", {}),
+                    (join_name(name, "output.dense"), "row", {}),
                 ],
                 divide_attrs=("num_attention_heads", "all_head_size"),
                 checks=checks,
@@ -208,15 +206,15 @@ def _bert(name: str, m: nn.Module) -> Iterable[BuiltinUnit]:
             yield BuiltinUnit(
                 arch="bert",
                 kind="mlp",
-                owner=_j(name, "intermediate"),
-                members=[(_j(name, "intermediate.dense"), "column", {}), (_j(name, "output.dense"), "row", {})],
+                owner=join_name(name, "intermediate"),
+                members=[(join_name(name, "intermediate.dense"), "column", {}), (join_name(name, "output.dense"), "row", {})],
             )
     elif cls == "BertEmbeddings":
         if isinstance(getattr(m, "word_embeddings", None), nn.Embedding):
-            yield BuiltinUnit("bert", "embedding", name, [(_j(name, "word_embeddings"), "vocab", {})])
+            yield BuiltinUnit("bert", "embedding", name, [(join_name(name, "word_embeddings"), "vocab", {})])
     elif cls == "BertLMPredictionHead":
         if _is_linear(getattr(m, "decoder", None)):
-            yield BuiltinUnit("bert", "lm_head", name, [(_j(name, "decoder"), "vocab", {})])
+            yield BuiltinUnit("bert", "lm_head", name, [(join_name(name, "decoder"), "vocab", {})])
 
 
 # -- Hugging Face GPT-2 ----------------------------------------------------------------------
@@ -229,12 +227,12 @@ def _gpt2(name: str, m: nn.Module) -> Iterable[BuiltinUnit]:
             if not _is_linear(getattr(m, "q_attn", None)):
                 return
             members = [
-                (_j(name, "q_attn"), "column", {}),
-                (_j(name, "c_attn"), "column", {"packed_chunks": 2}),
+                (join_name(name, "q_attn"), "column", {}),
+                (join_name(name, "c_attn"), "column", {"packed_chunks": 2}),
             ]
         else:
-            members = [(_j(name, "c_attn"), "column", {"packed_chunks": 3})]
-        members.append((_j(name, "c_proj"), "row", {}))
+            members = [(join_name(name, "c_attn"), "column", {"packed_chunks": 3})]
+        members.append((join_name(name, "c_proj"), "row", {}))
         heads = _int_attr(m, "num_heads")
         yield BuiltinUnit(
             arch="gpt2",
@@ -243,21 +241,21 @@ def _gpt2(name: str, m: nn.Module) -> Iterable[BuiltinUnit]:
             members=members,
             divide_attrs=("num_heads", "split_size"),
             checks=[SizeCheck(name, "num_heads", heads, "attention heads")] if heads else [],
-            rng_region=(_j(name, "c_proj"), "attn_dropout.p")
+            rng_region=(join_name(name, "c_proj"), "attn_dropout.p")
             if isinstance(getattr(m, "attn_dropout", None), nn.Dropout)
             else None,
         )
     elif cls == "GPT2MLP":
         if _is_linear(getattr(m, "c_fc", None)) and _is_linear(getattr(m, "c_proj", None)):
             yield BuiltinUnit(
-                "gpt2", "mlp", name, [(_j(name, "c_fc"), "column", {}), (_j(name, "c_proj"), "row", {})]
+                "gpt2", "mlp", name, [(join_name(name, "c_fc"), "column", {}), (join_name(name, "c_proj"), "row", {})]
             )
     elif cls == "GPT2Model":
         if isinstance(getattr(m, "wte", None), nn.Embedding):
-            yield BuiltinUnit("gpt2", "embedding", name, [(_j(name, "wte"), "vocab", {})])
+            yield BuiltinUnit("gpt2", "embedding", name, [(join_name(name, "wte"), "vocab", {})])
     elif cls in ("GPT2LMHeadModel", "GPT2DoubleHeadsModel"):
         if _is_linear(getattr(m, "lm_head", None)):
-            yield BuiltinUnit("gpt2", "lm_head", name, [(_j(name, "lm_head"), "vocab", {})])
+            yield BuiltinUnit("gpt2", "lm_head", name, [(join_name(name, "lm_head"), "vocab", {})])
 
 
 # -- Hugging Face Llama family ---------------------------------------------------------------
@@ -283,10 +281,10 @@ def _llama(name: str, m: nn.Module) -> Iterable[BuiltinUnit]:
             kind="attention",
             owner=name,
             members=[
-                (_j(name, "q_proj"), "column", {}),
-                (_j(name, "k_proj"), "column", {}),
-                (_j(name, "v_proj"), "column", {}),
-                (_j(name, "o_proj"), "row", {}),
+                (join_name(name, "q_proj"), "column", {}),
+                (join_name(name, "k_proj"), "column", {}),
+                (join_name(name, "v_proj"), "column", {}),
+                (join_name(name, "o_proj"), "row", {}),
             ],
             divide_attrs=("num_heads", "num_key_value_heads"),
             checks=checks,
@@ -299,17 +297,17 @@ def _llama(name: str, m: nn.Module) -> Iterable[BuiltinUnit]:
                 "mlp",
                 name,
                 [
-                    (_j(name, "gate_proj"), "column", {}),
-                    (_j(name, "up_proj"), "column", {}),
-                    (_j(name, "down_proj"), "row", {}),
+                    (join_name(name, "gate_proj"), "column", {}),
+                    (join_name(name, "up_proj"), "column", {}),
+                    (join_name(name, "down_proj"), "row", {}),
                 ],
             )
     elif suffix == "Model":
         if isinstance(getattr(m, "embed_tokens", None), nn.Embedding):
-            yield BuiltinUnit(arch, "embedding", name, [(_j(name, "embed_tokens"), "vocab", {})])
+            yield BuiltinUnit(arch, "embedding", name, [(join_name(name, "embed_tokens"), "vocab", {})])
     elif suffix == "ForCausalLM":
         if _is_linear(getattr(m, "lm_head", None)):
-            yield BuiltinUnit(arch, "lm_head", name, [(_j(name, "lm_head"), "vocab", {})])
+            yield BuiltinUnit(arch, "lm_head", name, [(join_name(name, "lm_head"), "vocab", {})])
 
 
 # -- torch.nn --------------------------------------------------------------------------------
@@ -325,10 +323,10 @@ def _torch(name: str, m: nn.Module) -> Iterable[BuiltinUnit]:
     elif isinstance(m, (nn.TransformerEncoderLayer, nn.TransformerDecoderLayer)):
         if not (isinstance(getattr(m, "linear1", None), nn.Linear) and isinstance(getattr(m, "linear2", None), nn.Linear)):
             return
-        members: list[tuple[str, str, dict[str, Any]]] = [(_j(name, "linear1"), "column", {})]
+        members: list[tuple[str, str, dict[str, Any]]] = [(join_name(name, "linear1"), "column", {})]
         if isinstance(getattr(m, "dropout", None), nn.Dropout):
-            members.append((_j(name, "dropout"), "dropout", {}))
-        members.append((_j(name, "linear2"), "row", {}))
+            members.append((join_name(name, "dropout"), "dropout", {}))
+        members.append((join_name(name, "linear2"), "row", {}))
         yield BuiltinUnit(arch="torch", kind="mlp", owner=name, members=members)
 
 

@@ -30,6 +30,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from megastrategy.collectives import all_gather_single, reduce_scatter_single, try_fused
+
 __all__ = [
     "CollectiveRecord",
     "record_collectives",
@@ -141,20 +143,9 @@ def _record(op: str, t: Tensor) -> None:
 # ----------------------------------------------------------------------------------------
 _REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
 _unsupported: set[str] = set()  # fused collectives the backend turned down (checked once)
-
-_all_gather_single = getattr(dist, "all_gather_single", None) or getattr(
-    dist, "all_gather_into_tensor", None
-)
-_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or getattr(
-    dist, "reduce_scatter_tensor", None
-)
-
-
-def _is_unsupported_error(err: Exception) -> bool:
-    msg = str(err).lower()
-    return isinstance(err, NotImplementedError) or any(
-        s in msg for s in ("not supported", "unsupported", "does not support", "not implemented")
-    )
+# module attributes (not direct calls) so that tests can stand in a refusing backend
+_all_gather_single = all_gather_single
+_reduce_scatter_single = reduce_scatter_single
 
 
 def all_reduce(t: Tensor, group, op: str = "sum") -> Tensor:
@@ -178,13 +169,8 @@ def all_gather(t: Tensor, group, dim: int = -1) -> Tensor:
     _record("all_gather", t)
     if _all_gather_single is not None and "all_gather" not in _unsupported:
         out = torch.empty((world * t.numel(),), dtype=t.dtype, device=t.device)
-        try:
-            _all_gather_single(out, t.reshape(-1), group=group)
-        except (RuntimeError, NotImplementedError) as err:
-            if not _is_unsupported_error(err):
-                raise
-            _unsupported.add("all_gather")
-        else:
+        done, _ = try_fused("all_gather", _all_gather_single, _unsupported, out, t.reshape(-1), group=group)
+        if done:
             stacked = out.view(world, *t.shape)  # [world, *shape]
             if dim == 0:
                 return stacked.reshape(world * t.size(0), *t.shape[1:])
@@ -212,13 +198,9 @@ def reduce_scatter(t: Tensor, group, dim: int = 0) -> Tensor:
     k = front.size(0) // world
     if _reduce_scatter_single is not None and "reduce_scatter" not in _unsupported:
         out = torch.empty((k, *front.shape[1:]), dtype=t.dtype, device=t.device)
-        try:
-            _reduce_scatter_single(out, front, op=dist.ReduceOp.SUM, group=group)
-        except (RuntimeError, NotImplementedError) as err:
-            if not _is_unsupported_error(err):
-                raise
-            _unsupported.add("reduce_scatter")
-        else:
+        done, _ = try_fused("reduce_scatter", _reduce_scatter_single, _unsupported, out, front,
+                            op=dist.ReduceOp.SUM, group=group)
+        if done:
             return out.movedim(0, dim)
     summed = front.clone()
     dist.all_reduce(summed, op=dist.ReduceOp.SUM, group=group)

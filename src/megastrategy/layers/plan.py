@@ -79,6 +79,7 @@ from typing import Any, Iterable, Mapping
 
 from torch import nn
 
+from megastrategy.divisors import divisors
 from megastrategy.errors import MegatronConfigError
 from megastrategy.layers.builtin_plans import (
     KNOWN_ARCHITECTURES,
@@ -88,6 +89,7 @@ from megastrategy.layers.builtin_plans import (
     detect_builtin_plan,
     is_conv1d,
 )
+from megastrategy.naming import join_name, parent_name
 
 __all__ = [
     "STYLES",
@@ -239,7 +241,7 @@ class ResolvedPlan:
         if self.fixups:
             lines.append("attribute fix-ups (full -> local):")
             for f in self.fixups:
-                lines.append(f"  {_j(f.module, f.attr)}: {f.old!r} -> {f.new!r}  ({f.reason})")
+                lines.append(f"  {join_name(f.module, f.attr)}: {f.old!r} -> {f.new!r}  ({f.reason})")
         if self.rng_regions:
             lines.append("per-TP-rank RNG stream (attention dropout on local heads):")
             for r in self.rng_regions:
@@ -254,14 +256,6 @@ class ResolvedPlan:
 # ----------------------------------------------------------------------------------------------
 # Helpers
 # ----------------------------------------------------------------------------------------------
-def _j(*parts: str) -> str:
-    return ".".join(p for p in parts if p)
-
-
-def _parent_name(name: str) -> str:
-    return name.rsplit(".", 1)[0] if "." in name else ""
-
-
 def _common_ancestor(names: list[str]) -> str:
     """Deepest module that is an ancestor of (or equal to the parent of) every name."""
     split = [n.split(".")[:-1] for n in names]
@@ -325,10 +319,6 @@ def _is_linear(m: nn.Module) -> bool:
 
 def _is_weight_layer(m: nn.Module) -> bool:
     return _is_linear(m) or isinstance(m, (nn.Embedding, nn.MultiheadAttention))
-
-
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
 
 
 def _globify(name: str) -> str:
@@ -575,7 +565,7 @@ def resolve_tp_plan(module: nn.Module, tp_plan: dict[str, str] | None, tp_size: 
     by_parent: dict[str, list[str]] = defaultdict(list)
     for n, r in raw.items():
         if r["style"] == "column" and _is_linear(modules[n]):
-            by_parent[_parent_name(n)].append(n)
+            by_parent[parent_name(n)].append(n)
     for parent, members in by_parent.items():
         if len(members) > 1:
             for n in members:
@@ -616,7 +606,7 @@ def resolve_tp_plan(module: nn.Module, tp_plan: dict[str, str] | None, tp_size: 
             else:
                 checks.append((SizeCheck(n, "in_features", fin, "input features"), "tp"))
             if style == "column" and r["unit"] is None:
-                parent = _parent_name(n)
+                parent = parent_name(n)
                 if parent in unit_owners:
                     continue
                 pmod = module.get_submodule(parent) if parent else module
@@ -737,7 +727,7 @@ def _check_unclassified(module, names, modules, effective, raw, detection, tp_pl
     if not unclassified:
         return
     globs = list(dict.fromkeys(_globify(n) for n in unclassified))
-    blocks = list(dict.fromkeys(_globify(_parent_name(n)) for n in unclassified))
+    blocks = list(dict.fromkeys(_globify(parent_name(n)) for n in unclassified))
     example = ", ".join(f"{g!r}: '<column|row|replicate>'" for g in globs[:8])
     more = f" (and {len(globs) - 8} more)" if len(globs) > 8 else ""
     mode = "tp_plan=None" if tp_plan is None else "an 'auto' entry in tp_plan"
@@ -784,7 +774,7 @@ def _check_divisibility(checks: list[tuple[SizeCheck, str]], tp_size: int) -> No
     g = 0
     for c, _ in checks:
         g = math.gcd(g, int(c.value))
-    valid = _divisors(g) if g else [1]
+    valid = divisors(g) if g else [1]
     for c, arg in checks:
         if c.value % tp_size:
             owner = c.owner or "<root>"
@@ -837,7 +827,7 @@ def _resolve_ties(module: nn.Module, modules: dict[str, nn.Module], raw: dict[st
                     f"(or mark both 'replicate')."
                 )
             if n in vocab_head and local == "bias":
-                parent = _parent_name(n)
+                parent = parent_name(n)
                 aliases = [a for c, a, _ in others if c == parent]
                 rest = [pn for c, a, pn in others if c != parent]
                 if not rest:
@@ -967,17 +957,17 @@ def apply_tp_plan(module: nn.Module, plan: ResolvedPlan, *, group, rng_tracker) 
                 "resolve the plan again."
             )
         for attr in e.extra.get("bias_aliases", ()):
-            holder = modules[_parent_name(e.name)] if _parent_name(e.name) else module
+            holder = modules[parent_name(e.name)] if parent_name(e.name) else module
             if getattr(holder, attr, None) is not modules[e.name].bias:
                 raise MegatronConfigError(
-                    f"plan says {_j(_parent_name(e.name), attr)} aliases {e.name}.bias but it no longer does; "
+                    f"plan says {join_name(parent_name(e.name), attr)} aliases {e.name}.bias but it no longer does; "
                     "resolve the plan again."
                 )
     for f in plan.fixups:
         owner = modules[f.module] if f.module else module
         if getattr(owner, f.attr, None) != f.old:
             raise MegatronConfigError(
-                f"plan fix-up {_j(f.module, f.attr)}: expected {f.old!r}, found {getattr(owner, f.attr, None)!r}; "
+                f"plan fix-up {join_name(f.module, f.attr)}: expected {f.old!r}, found {getattr(owner, f.attr, None)!r}; "
                 "resolve the plan on this module right before applying it (was it applied twice?)."
             )
 
@@ -1048,7 +1038,7 @@ def apply_tp_plan(module: nn.Module, plan: ResolvedPlan, *, group, rng_tracker) 
             setattr(parent, attr, new)
         replaced[e.name] = new
         for attr in e.extra.get("bias_aliases", ()):
-            holder = modules[_parent_name(e.name)] if _parent_name(e.name) else module
+            holder = modules[parent_name(e.name)] if parent_name(e.name) else module
             setattr(holder, attr, new.bias)
 
     for f in plan.fixups:

@@ -89,6 +89,7 @@ from megastrategy.layers.mappings import (
     gather_from_sequence_parallel_region,
     group_world_size,
 )
+from megastrategy.naming import join_name
 
 __all__ = [
     "BACKENDS",
@@ -355,10 +356,6 @@ def _decide(m: nn.Module, holders: dict[int, list[str]], paths: set[str]) -> tup
     return "row", f"{how}, then adds the bias"
 
 
-def _j(*parts: str) -> str:
-    return ".".join(p for p in parts if p)
-
-
 def _check_param_state(name: str, p: torch.Tensor) -> None:
     if hasattr(p, "main_grad") or getattr(p, "_post_accumulate_grad_hooks", None) or getattr(p, "_backward_hooks", None):
         raise MegatronConfigError(
@@ -498,7 +495,7 @@ def convert_to_te(
     for n, m, mode, _ in decisions:
         if mode != "keep":
             for pname, p in m.named_parameters(recurse=False):
-                _check_param_state(_j(n, pname), p)
+                _check_param_state(join_name(n, pname), p)
 
     te = import_transformer_engine() if any(d[2] != "keep" for d in decisions) else None
     for n, m, mode, text in decisions:
@@ -506,9 +503,9 @@ def convert_to_te(
             report.kept.append(KeptLayer(n, type(m).__name__, text))
             continue
         new = _build(te, m, mode, tp_group, tp_size)
-        _carry_parameter(_j(n, "weight"), m.weight, new.weight)
+        _carry_parameter(join_name(n, "weight"), m.weight, new.weight)
         if m.bias is not None:
-            _carry_parameter(_j(n, "bias"), m.bias, new.bias)
+            _carry_parameter(join_name(n, "bias"), m.bias, new.bias)
         new.train(m.training)
         moved = _move_forward_hooks(m, new)
         if mode == "local":

@@ -35,7 +35,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from megastrategy.layers.mappings import ProcessGroupRef, _is_unsupported_error, _record, all_gather
+from megastrategy.collectives import is_unsupported_error
+from megastrategy.layers.mappings import ProcessGroupRef, _record, all_gather
 from megastrategy.layers.mappings import group_rank as _group_rank
 from megastrategy.layers.mappings import group_world_size as _group_world_size
 
@@ -85,7 +86,7 @@ def _exchange(x: Tensor, out_splits: Sequence[int], in_splits: Sequence[int], gr
             dist.all_to_all_single(out, x, out_splits, in_splits, group=group)
             return out
         except (RuntimeError, NotImplementedError) as err:
-            if not _is_unsupported_error(err):
+            if not is_unsupported_error(err):
                 raise
             log.warning("all_to_all_single is not supported by this backend (%s); using point-to-point exchange", err)
             _A2A_FALLBACK["active"] = True

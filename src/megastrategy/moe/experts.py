@@ -27,10 +27,9 @@ from torch import Tensor
 from megastrategy.layers.linear import init_linear_full
 from megastrategy.layers.mappings import ProcessGroupRef, copy_to_tensor_parallel_region
 from megastrategy.moe.dispatcher import group_world_size
+from megastrategy.moe.expert_attr import EXPERT_ATTR
 
 __all__ = ["EXPERT_ATTR", "ExpertParamInfo", "ExpertMLP", "Experts", "get_expert_info", "is_expert_parameter"]
-
-EXPERT_ATTR = "megastrategy_expert"
 
 
 @dataclass(frozen=True)

@@ -38,6 +38,7 @@ from torch import nn
 
 from megastrategy.ddp.grad_buffer import DEFAULT_BUCKET_NUMEL, GradientBuffer
 from megastrategy.ddp.grad_clip import global_grad_norm
+from megastrategy.divisors import divisors
 from megastrategy.errors import MegatronConfigError
 from megastrategy.moe.experts import get_expert_info, is_expert_parameter
 from megastrategy.moe.layer import MoELayer
@@ -63,10 +64,6 @@ def moe_layers(module: nn.Module) -> list[MoELayer]:
     return [m for m in module.modules() if isinstance(m, MoELayer)]
 
 
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
-
-
 def validate_moe(module: nn.Module, layout) -> None:
     """Raise :class:`MegatronConfigError` if the MoE layers cannot be split over ``layout``
     (a :class:`~megastrategy.parallel_state.ParallelLayout`). Pure: no collectives.
@@ -80,13 +77,13 @@ def validate_moe(module: nn.Module, layout) -> None:
             raise MegatronConfigError(
                 f"ep={layout.ep}: MoE layer {name!r} has num_experts={m.num_experts}, which is not divisible by ep "
                 f"(every expert-parallel rank holds num_experts/ep whole experts). Valid ep for this model: "
-                f"{_divisors(m.num_experts)} (also dividing the world size {layout.world_size} with etp·pp)."
+                f"{divisors(m.num_experts)} (also dividing the world size {layout.world_size} with etp·pp)."
             )
         if m.ffn_hidden_size % layout.etp:
             raise MegatronConfigError(
                 f"etp={layout.etp}: MoE layer {name!r} has ffn_hidden_size={m.ffn_hidden_size}, which is not divisible "
                 f"by etp (each expert's FFN is split column/row-wise over the expert-tensor-parallel ranks). Valid etp: "
-                f"{_divisors(m.ffn_hidden_size)}; pass etp explicitly (it defaults to tp)."
+                f"{divisors(m.ffn_hidden_size)}; pass etp explicitly (it defaults to tp)."
             )
 
 

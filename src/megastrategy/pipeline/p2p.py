@@ -40,6 +40,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from megastrategy.collectives import all_gather_single
+
 __all__ = ["PipelineCommunicator", "RecvHandle", "MAX_NDIM", "HEADER_LEN"]
 
 FORWARD = 0
@@ -84,7 +86,6 @@ for _name in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnu
         _DTYPES.append(_dt)
 _DTYPE_CODES = {dt: i for i, dt in enumerate(_DTYPES)}
 
-_all_gather_single = getattr(dist, "all_gather_single", None) or getattr(dist, "all_gather_into_tensor", None)
 _gather_single_ok = True
 
 
@@ -542,9 +543,9 @@ class PipelineCommunicator:
     def _gather_bytes(self, piece: Tensor, out: Tensor) -> None:
         """All-gather every TP rank's ``piece`` into the flat byte tensor ``out`` (rank order)."""
         global _gather_single_ok
-        if _all_gather_single is not None and _gather_single_ok:
+        if all_gather_single is not None and _gather_single_ok:
             try:
-                _all_gather_single(out, piece, group=self.tp_group)
+                all_gather_single(out, piece, group=self.tp_group)
                 return
             except NotImplementedError:
                 _gather_single_ok = False  # backend without the fused gather: use the list form

@@ -28,7 +28,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import bench_tp as common  # noqa: E402  (sets OMP_NUM_THREADS=1, puts src/ on sys.path)
+import common  # noqa: E402  (sets OMP_NUM_THREADS=1 before torch; puts src/ on sys.path)
 
 import torch  # noqa: E402
 

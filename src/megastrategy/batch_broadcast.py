@@ -11,7 +11,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from megastrategy.batch_tree import flatten_batch, unflatten_batch
 
 
 def broadcast_batch(batch: Any, *, src: int, group: dist.ProcessGroup, device: torch.device) -> Any:
@@ -24,7 +25,7 @@ def broadcast_batch(batch: Any, *, src: int, group: dist.ProcessGroup, device: t
         return batch
     is_src = dist.get_rank() == src
     if is_src:
-        leaves, spec = tree_flatten(batch)
+        leaves, spec = flatten_batch(batch)
         meta = [
             ("tensor", tuple(x.shape), x.dtype) if isinstance(x, torch.Tensor) else ("value", x, None)
             for x in leaves
@@ -42,4 +43,4 @@ def broadcast_batch(batch: Any, *, src: int, group: dist.ProcessGroup, device: t
         t = leaves[i].to(device).contiguous() if is_src else torch.empty(a, dtype=b, device=device)
         dist.broadcast(t, src=src, group=group)
         out.append(t)
-    return tree_unflatten(out, spec)
+    return unflatten_batch(out, spec)

@@ -73,8 +73,8 @@ class MegatronConfig:
             ``None`` detects Hugging Face and ``torch.nn.Transformer*Layer`` models.
         pipeline_layers: dotted path of the ``nn.ModuleList`` of blocks (default: found).
         order: how the rank grid is laid out, first dimension varying fastest.
-        broadcast_batch: broadcast each batch from the first TP rank of its replica so that
-            random data pipelines cannot diverge across TP ranks; ``None`` = when ``tp > 1``.
+        broadcast_batch: broadcast each batch from the first rank of its model replica (TP, CP and
+            pipeline ranks) so random data pipelines cannot diverge; ``None`` = when tp·cp·pp > 1.
         grad_reduce_in_fp32, bucket_numel: gradient accumulation dtype and DP bucket size.
         timeout: the limit for every collective.
         watchdog, heartbeat_timeout: when a rank fails, stop every rank within seconds naming it.
@@ -168,8 +168,9 @@ class MegatronConfig:
     # ------------------------------------------------------------------ derived
     @property
     def should_broadcast_batch(self) -> bool:
-        """Broadcast each batch within TP: asked for explicitly, or whenever ``tp > 1``."""
-        return self.broadcast_batch if self.broadcast_batch is not None else self.tp > 1
+        """Broadcast each batch within a model replica: asked for explicitly, or whenever the replica
+        spans several ranks (``tp``, ``cp`` or ``pp`` > 1)."""
+        return self.broadcast_batch if self.broadcast_batch is not None else self.tp * self.cp * self.pp > 1
 
     @property
     def vp_size(self) -> int:

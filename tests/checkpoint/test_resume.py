@@ -69,6 +69,17 @@ def test_the_wrapper_is_the_loader_for_lightning():
     assert wrapped.sampler is inner.sampler and wrapped.batch_size == 4 and wrapped.dataset is inner.dataset
 
 
+def test_what_lightning_sets_on_the_wrapper_reaches_the_loader():
+    # Lightning seeds workers by setting ``worker_init_fn`` on the loader it was handed: the wrapper.
+    inner = _loader(2)
+    wrapped = ResumableLoader(inner, batches_done=lambda: 0)
+    seed_workers = lambda worker_id: None  # noqa: E731
+    wrapped.worker_init_fn = seed_workers
+    assert inner.worker_init_fn is seed_workers and wrapped.worker_init_fn is seed_workers
+    wrapped._skip = 3  # the wrapper's own state stays its own
+    assert wrapped._skip == 3 and not hasattr(inner, "_skip")
+
+
 def test_every_random_stream_is_captured_and_restored():
     tracker = ModelParallelRNGTracker(tp_rank=1, device="cpu")
     tracker.seed(7)

@@ -32,6 +32,8 @@ import torch
 
 __all__ = ["ResumableLoader"]
 
+_OWN = frozenset({"loader", "_batches_done", "epoch_start_rng", "_skip", "_replay_rng"})
+
 
 class ResumableLoader:
     """Wraps ``loader``; ``batches_done()`` is the trainer's count of finished batches this epoch.
@@ -55,6 +57,14 @@ class ResumableLoader:
         if name == "loader":  # not yet set (e.g. during unpickling): avoid recursing
             raise AttributeError(name)
         return getattr(self.loader, name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        # What Lightning sets after wrapping (``worker_init_fn`` when workers are seeded) must
+        # reach the real loader, or its workers would start unseeded and draw other masks.
+        if name in _OWN or "loader" not in self.__dict__:
+            object.__setattr__(self, name, value)
+        else:
+            setattr(self.loader, name, value)
 
     # ------------------------------------------------------------------ Lightning's _Stateful
     def state_dict(self) -> dict[str, int]:

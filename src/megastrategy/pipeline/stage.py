@@ -22,6 +22,7 @@ from torch import nn
 from torch.utils._pytree import tree_map
 
 from megastrategy.anatomy import ModelAnatomy, find_layer_stack, get_submodule_path
+from megastrategy.batch_tree import flatten_batch, unflatten_batch
 from megastrategy.errors import MegatronConfigError
 
 __all__ = ["PipelineStage", "StageBoundary", "cut_stage", "find_layer_stack", "iter_microbatches"]
@@ -220,9 +221,7 @@ def cut_stage(
 
 def iter_microbatches(batch: Any, num_microbatches: int) -> Iterator[Any]:
     """Split every tensor of ``batch`` along dim 0 into ``num_microbatches`` equal parts."""
-    from torch.utils._pytree import tree_flatten, tree_unflatten
-
-    leaves, spec = tree_flatten(batch)
+    leaves, spec = flatten_batch(batch)
     sizes = {leaf.shape[0] for leaf in leaves if isinstance(leaf, torch.Tensor) and leaf.dim() > 0}
     if not sizes:
         raise MegatronConfigError("the batch holds no tensor to split into microbatches.")
@@ -240,7 +239,7 @@ def iter_microbatches(batch: Any, num_microbatches: int) -> Iterator[Any]:
         )
     step = size // num_microbatches
     for m in range(num_microbatches):
-        yield tree_unflatten(
+        yield unflatten_batch(
             [leaf[m * step : (m + 1) * step] if isinstance(leaf, torch.Tensor) and leaf.dim() > 0 else leaf for leaf in leaves],
             spec,
         )

@@ -17,6 +17,7 @@ from typing import Any, Callable, Mapping, Optional, Sequence
 import torch
 import torch.distributed as dist
 
+from megastrategy.batch_tree import flatten_batch
 from megastrategy.component import Component, SetupContext, StepInfo, overrides
 from megastrategy.errors import MegatronConfigError
 from megastrategy.pipeline.executor import LocalCommunicator, PipelineExecutor
@@ -251,9 +252,7 @@ def _as_loss(output: Any, step_name: str) -> Optional[torch.Tensor]:
 
 def _eval_microbatches(batch: Any, wanted: int) -> int:
     """Evaluation batches may be ragged (the last one); use the largest divisor up to ``wanted``."""
-    from torch.utils._pytree import tree_flatten
-
-    sizes = [x.shape[0] for x in tree_flatten(batch)[0] if isinstance(x, torch.Tensor) and x.dim() > 0]
+    sizes = [x.shape[0] for x in flatten_batch(batch)[0] if isinstance(x, torch.Tensor) and x.dim() > 0]
     size = sizes[0] if sizes else 1
     return max(d for d in range(1, min(wanted, size) + 1) if size % d == 0)
 

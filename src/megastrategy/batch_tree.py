@@ -1,0 +1,74 @@
+"""Batches as Lightning accepts them, flattened into tensors and rebuilt with their own types.
+
+``torch.utils._pytree`` treats a ``Mapping`` it does not know (Hugging Face's ``BatchEncoding``,
+which ``DataCollatorWithPadding`` and the MLM collators return, or a ``UserDict``) as one opaque
+leaf, so its tensors could be neither split into microbatches nor broadcast as tensors. Here
+such mappings are walked like dicts and rebuilt as their own type afterwards, without
+registering anything in torch's global pytree registry. The description of the structure is
+plain data, so it can travel to other ranks with the batch.
+"""
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Optional
+
+from torch.utils._pytree import SUPPORTED_NODES, TreeSpec, tree_flatten, tree_unflatten
+
+__all__ = ["BatchSpec", "flatten_batch", "unflatten_batch"]
+
+
+@dataclass(frozen=True)
+class BatchSpec:
+    """Where the batch's leaves go (``tree``), and which plain dicts were other mappings (``kinds``)."""
+
+    tree: TreeSpec
+    kinds: Optional[tuple]
+
+
+def flatten_batch(batch: Any) -> tuple[list, BatchSpec]:
+    """The batch's leaves (tensors and other values) and a picklable spec to rebuild it."""
+    plain, kinds = _plain(batch)
+    leaves, tree = tree_flatten(plain)
+    return leaves, BatchSpec(tree, kinds)
+
+
+def unflatten_batch(leaves: list, spec: BatchSpec) -> Any:
+    """The batch ``flatten_batch`` described, with ``leaves`` in place of the original ones."""
+    return _restore(tree_unflatten(leaves, spec.tree), spec.kinds)
+
+
+def _foreign(obj: Any) -> bool:
+    return isinstance(obj, Mapping) and type(obj) not in SUPPORTED_NODES
+
+
+def _plain(obj: Any) -> tuple[Any, Optional[tuple]]:
+    """``obj`` with foreign mappings turned into dicts; ``kinds`` records where (None: nothing to redo)."""
+    if _foreign(obj) or type(obj) is dict:
+        parts = {k: _plain(v) for k, v in obj.items()}
+        inner = {k: kind for k, (_, kind) in parts.items() if kind is not None}
+        plain = {k: p for k, (p, _) in parts.items()}
+        if _foreign(obj):
+            return plain, ("mapping", type(obj), inner)
+        return plain, ("dict", inner) if inner else None
+    if type(obj) in (list, tuple):
+        parts = [_plain(v) for v in obj]
+        inner = {i: kind for i, (_, kind) in enumerate(parts) if kind is not None}
+        plain = type(obj)(p for p, _ in parts)
+        return plain, ("sequence", inner) if inner else None
+    return obj, None
+
+
+def _restore(plain: Any, kinds: Optional[tuple]) -> Any:
+    if kinds is None:
+        return plain
+    inner = kinds[-1]
+    if kinds[0] == "sequence":
+        return type(plain)(_restore(v, inner.get(i)) for i, v in enumerate(plain))
+    items = {k: _restore(v, inner.get(k)) for k, v in plain.items()}
+    if kinds[0] == "dict":
+        return items
+    try:
+        return kinds[1](items)
+    except TypeError:  # a mapping type that cannot be built from a dict stays a dict
+        return items

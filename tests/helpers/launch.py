@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -144,8 +145,6 @@ def run_torchrun_nodes(
     Returns the JSON rank 0 wrote to OUT and each node's output. A node that fails or a job that
     exceeds ``timeout`` fails the test with every node's output; no process outlives the call.
     """
-    import signal
-
     out = Path(tempfile.mkdtemp(prefix="megastrategy-torchrun-")) / "result.json"
     port = free_port()
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
@@ -177,7 +176,8 @@ def run_torchrun_nodes(
     for log in logs:
         log.seek(0)
         outputs.append(log.read())
-    failed = failed or next((f"node {i} exited with code {p.returncode}" for i, p in enumerate(nodes) if p.returncode), None)
+    codes = [p.returncode for p in nodes]
+    failed = failed or next((f"node {i} exited with code {c}" for i, c in enumerate(codes) if c), None)
     if failed:
         tails = "\n".join(f"----- node {i} (last 3000 chars) -----\n{o[-3000:]}" for i, o in enumerate(outputs))
         raise AssertionError(f"torchrun {script} {' '.join(args)} on {nnodes} nodes: {failed}\n{tails}")

@@ -41,11 +41,16 @@ import os
 import socket
 import sys
 import time
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+# Third-party notices about neither this script nor megastrategy, repeated by every rank: Lightning's
+# pytree helper still uses a torch API that newer torch deprecates. Filtered here, not in the library.
+warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated")
 
 import lightning as L  # noqa: E402
 import torch  # noqa: E402

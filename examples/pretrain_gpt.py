@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import warnings
 from pathlib import Path
 
 import lightning as L
@@ -21,6 +22,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
+
+# Third-party notices about neither this script nor megastrategy, repeated by every rank: Lightning's
+# pytree helper still uses a torch API that newer torch deprecates. Filtered here, not in the library.
+warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated")
 
 BUILTIN_CORPUS = """\
 Tensor parallelism splits each weight matrix of a layer across devices, so that every device

@@ -1,5 +1,8 @@
 """megastrategy: Megatron-LM parallelism for unchanged PyTorch Lightning modules."""
 from megastrategy.errors import MegatronConfigError
+from megastrategy.registry import register_when_lightning_loads
+
+register_when_lightning_loads()  # Trainer(strategy="megatron_tp2"): see megastrategy.registry
 
 __version__ = "0.1.0"
 __all__ = ["MegatronStrategy", "MegatronConfigError", "__version__"]

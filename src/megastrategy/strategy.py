@@ -11,7 +11,6 @@ rewrite the model; gradient buffers and optimizers) → steps → ``teardown``.
 """
 from __future__ import annotations
 
-import inspect
 import logging
 from contextlib import ExitStack
 from typing import TYPE_CHECKING, Any, Callable, Optional, TypeVar, Union
@@ -29,15 +28,17 @@ from megastrategy.component import Component, Environment, SetupContext
 from megastrategy.config import MegatronConfig, split_strategy_arguments
 from megastrategy.parallel_state import ParallelLayout, ParallelState
 from megastrategy.pipeline.step_runner import StepRunner
+from megastrategy.rank_zero import log_on_rank_zero
 from megastrategy.precision import adopt_precision_plugin, loss_scaler
 from megastrategy.replicas import agree_everywhere, broadcast_module_states, reduce_over, set_metric_process_group
+from megastrategy.signature import passthrough_arguments, signature_from
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
 
 log = logging.getLogger(__name__)
 C = TypeVar("C", bound=Component)
-_LIGHTNING_ARGUMENTS = set(inspect.signature(DDPStrategy.__init__).parameters) - {"self", "kwargs", "timeout"}
+_LIGHTNING_ARGUMENTS = set(passthrough_arguments(DDPStrategy.__init__, MegatronConfig))
 
 
 class MegatronStrategy(DDPStrategy):
@@ -45,11 +46,13 @@ class MegatronStrategy(DDPStrategy):
 
     Takes every field of :class:`~megastrategy.config.MegatronConfig` as a keyword (``tp``,
     ``pp``, ``vp``, ``ep``, ``tp_plan``, ``sequence_parallel``, ...; documented there); any other
-    keyword goes to Lightning's ``DDPStrategy``.
+    keyword goes to Lightning's ``DDPStrategy``. ``inspect.signature`` (and ``LightningCLI``) sees
+    all of them, typed (:mod:`megastrategy.signature`).
     """
 
     strategy_name = "megatron"
 
+    @signature_from(MegatronConfig, DDPStrategy.__init__)
     def __init__(self, tp: int = 1, pp: int = 1, **kwargs: Any) -> None:
         ours, lightning = split_strategy_arguments(kwargs, _LIGHTNING_ARGUMENTS)
         self.config = MegatronConfig(tp=tp, pp=pp, **ours)
@@ -108,7 +111,10 @@ class MegatronStrategy(DDPStrategy):
             self.parallel_state = ParallelState(
                 self.layout, self.global_rank, backend=self._process_group_backend, timeout=self._timeout
             )
-        log.info(self.parallel_state.describe())
+        lay = self.layout
+        log_on_rank_zero(log, logging.INFO, f"megastrategy: {lay.world_size} processes as tp={lay.tp} pp={lay.pp} "
+                         f"dp={lay.dp} cp={lay.cp} ep={lay.ep} (order {lay.order})")
+        log.debug(self.parallel_state.describe())  # this rank's coordinates
         env = Environment(self.config, self.layout, self.parallel_state, self.global_rank, self.world_size,
                           self.root_device)
         self._each("on_environment", env)

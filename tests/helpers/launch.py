@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -134,3 +135,50 @@ def _run_script(script: str | Path, nprocs: int, args: list[str], timeout: float
             tails.append(f"----- rank {rank} (last 3000 chars) -----\n{text[-3000:]}")
         raise AssertionError(f"{script} {' '.join(args)} on {nprocs} processes: {failed}\n" + "\n".join(tails))
     return json.loads(out.read_text())
+
+
+def run_torchrun_nodes(
+    script: str | Path, nnodes: int, nproc_per_node: int, args: list[str], timeout: float = 300
+) -> tuple[dict[str, Any], list[str]]:
+    """One ``torchrun --nnodes N --node_rank i`` per "node", all on 127.0.0.1, as on a real cluster.
+
+    Returns the JSON rank 0 wrote to OUT and each node's output. A node that fails or a job that
+    exceeds ``timeout`` fails the test with every node's output; no process outlives the call.
+    """
+    out = Path(tempfile.mkdtemp(prefix="megastrategy-torchrun-")) / "result.json"
+    port = free_port()
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
+    env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false",
+               PYTHONPATH=os.pathsep.join([str(REPO), str(REPO / "src"), env.get("PYTHONPATH", "")]))
+    nodes, logs = [], []
+    for node in range(nnodes):
+        log = tempfile.TemporaryFile(mode="w+")
+        logs.append(log)
+        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nnodes={nnodes}", f"--node_rank={node}",
+               f"--nproc_per_node={nproc_per_node}", "--master_addr=127.0.0.1", f"--master_port={port}",
+               str(script), "--out", str(out), *args]
+        nodes.append(subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=str(REPO),
+                                      start_new_session=True))  # its own group: its workers go with it
+    deadline, failed = time.monotonic() + timeout, None
+    try:
+        while failed is None and any(p.poll() is None for p in nodes):
+            bad = [(i, p.returncode) for i, p in enumerate(nodes) if p.poll() not in (None, 0)]
+            failed = f"node {bad[0][0]} exited with code {bad[0][1]}" if bad else None
+            if time.monotonic() > deadline:
+                failed = f"timed out after {timeout}s"
+            time.sleep(0.2)
+    finally:
+        for p in nodes:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+            p.wait()
+    outputs = []
+    for log in logs:
+        log.seek(0)
+        outputs.append(log.read())
+    codes = [p.returncode for p in nodes]
+    failed = failed or next((f"node {i} exited with code {c}" for i, c in enumerate(codes) if c), None)
+    if failed:
+        tails = "\n".join(f"----- node {i} (last 3000 chars) -----\n{o[-3000:]}" for i, o in enumerate(outputs))
+        raise AssertionError(f"torchrun {script} {' '.join(args)} on {nnodes} nodes: {failed}\n{tails}")
+    return json.loads(out.read_text()), outputs

@@ -73,6 +73,10 @@ def main() -> None:
     p.add_argument("--out", required=True)
     p.add_argument("--model", choices=sorted(MODELS), required=True)
     p.add_argument("--strategy", choices=["ddp", "megatron"], required=True)
+    p.add_argument("--strategy-name", help="with --strategy megatron: Trainer(strategy=NAME), a registered preset")
+    p.add_argument("--num-nodes", type=int, default=1, help="Trainer(num_nodes=...); devices = WORLD_SIZE / num_nodes")
+    p.add_argument("--log-level", help="logging.basicConfig(level=...): show megastrategy's log records")
+    p.add_argument("--slurm", action="store_true", help="present this launch to Lightning as srun's (SLURM_* variables)")
     p.add_argument("--tp", type=int, default=1)
     p.add_argument("--pp", type=int, default=1)
     p.add_argument("--vp", type=int, default=None)
@@ -109,6 +113,12 @@ def main() -> None:
     p.add_argument("--stub-cuda-graphs", help="cuda_graph_scope (comma-separated) on CPU with a stub graphing function")
     p.add_argument("--dropout", type=float, help="set p of every nn.Dropout (and nn.MultiheadAttention) of the model")
     args = p.parse_args()
+    if args.slurm:
+        _as_srun_task(args.num_nodes)
+    if args.log_level:
+        import logging
+
+        logging.basicConfig(level=args.log_level, format="%(name)s: %(message)s")
 
     torch.set_num_threads(1)
     L.seed_everything(7, verbose=False)
@@ -123,6 +133,10 @@ def main() -> None:
                 m.dropout = args.dropout
     if args.strategy == "ddp":
         strategy = DDPStrategy()
+    elif args.strategy_name:
+        import megastrategy  # noqa: F401 - registers the preset names
+
+        strategy = args.strategy_name
     else:
         from megastrategy import MegatronStrategy
 
@@ -163,9 +177,11 @@ def main() -> None:
             else {"every_n_epochs": 1, "save_on_train_epoch_end": True}
         )
         callbacks.append(ModelCheckpoint(dirpath=args.ckpt_dir, filename="{epoch}-{step}", save_top_k=-1, **when))
+    world_size = int(os.environ.get("WORLD_SIZE") or os.environ["SLURM_NTASKS"])
     trainer = L.Trainer(
         accelerator="cpu",
-        devices=int(os.environ["WORLD_SIZE"]),
+        devices=world_size // args.num_nodes,
+        num_nodes=args.num_nodes,
         strategy=strategy,
         max_steps=-1 if args.epochs else args.steps,
         max_epochs=args.epochs,
@@ -182,6 +198,7 @@ def main() -> None:
         accumulate_grad_batches=args.accumulate,
     )
     trainer.fit(module, ckpt_path=args.resume)
+    strategy = trainer.strategy
     result = {"train_loss": rec.train_loss, "val_loss": rec.val_loss, "metrics": rec.metrics, "progress": rec.progress}
     result["final_metrics"] = {k: float(v) for k, v in trainer.callback_metrics.items()}
     if args.callbacks:
@@ -203,6 +220,8 @@ def main() -> None:
     if graphs is not None:
         result["cuda_graph_counts"] = dict(graphs.counts())
     result["param_dtypes"] = sorted({str(p.dtype) for p in module.parameters()})
+    result["environment"] = type(strategy.cluster_environment).__name__
+    result["layout"] = _layout(strategy)
     if trainer.is_global_zero:
         Path(args.out).write_text(json.dumps(result))
     # Leave without running C++ static destructors: gloo's threads can abort the process at
@@ -211,6 +230,30 @@ def main() -> None:
     sys.stderr.flush()
     torch.distributed.barrier() if torch.distributed.is_initialized() else None
     os._exit(0)
+
+
+def _as_srun_task(num_nodes: int) -> None:
+    """The variables ``srun --nodes N --ntasks-per-node K`` sets for one task, from this launch's rank;
+    torchrun's RANK/LOCAL_RANK/WORLD_SIZE go, so that only SLURM's describe the job."""
+    rank, world = int(os.environ.pop("RANK")), int(os.environ.pop("WORLD_SIZE"))
+    os.environ.pop("LOCAL_RANK")
+    per_node = world // num_nodes
+    os.environ.update(
+        SLURM_NTASKS=str(world), SLURM_NTASKS_PER_NODE=str(per_node), SLURM_NNODES=str(num_nodes),
+        SLURM_PROCID=str(rank), SLURM_LOCALID=str(rank % per_node), SLURM_NODEID=str(rank // per_node),
+        SLURM_NODELIST="127.0.0.1", SLURM_JOB_NAME="megastrategy-test", SLURM_JOB_ID="4242",
+    )
+
+
+def _layout(strategy) -> dict:
+    """Sizes and this rank's (rank 0's) group members, as the strategy set them up."""
+    ps = getattr(strategy, "parallel_state", None)
+    if ps is None:
+        return {"world_size": strategy.world_size}
+    import torch.distributed as dist
+
+    groups = {name: dist.get_process_group_ranks(getattr(ps, f"{name}_group")) for name in ("tp", "dp")}
+    return {"world_size": strategy.world_size, "tp": ps.tp_size, "dp": ps.dp_size, "groups": groups}
 
 
 def _component_type(module: str, name: str):

@@ -24,6 +24,7 @@ from typing import Any, Optional
 
 from megastrategy.checkpoint.resumable_loader import ResumableLoader
 from megastrategy.checkpoint.rng import capture_rng_states, restore_rng_states
+from megastrategy.rank_zero import log_on_rank_zero
 
 log = logging.getLogger(__name__)
 
@@ -63,7 +64,8 @@ class ExactResume:
         if rank_state is None:
             return
         if not same_layout:
-            log.warning(
+            log_on_rank_zero(
+                log, logging.WARNING,
                 f"megastrategy: the checkpoint was written by another layout ({describe}); weights, optimizer "
                 "and loop position are restored, random streams start afresh, so the continuation is not "
                 "bit-identical to the original run (it is on the same layout)."

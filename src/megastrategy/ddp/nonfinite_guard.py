@@ -10,6 +10,7 @@ from torch import nn
 
 from megastrategy.component import Component, SetupContext
 from megastrategy.config import MegatronConfig
+from megastrategy.rank_zero import log_on_rank_zero
 
 log = logging.getLogger(__name__)
 
@@ -44,6 +45,5 @@ class NonFiniteGuard(Component):
         if self.on_nonfinite == "raise":
             raise FloatingPointError(f"{message}; stopping every rank (on_nonfinite='raise').")
         self.skipped_steps += 1
-        if dist.get_rank() == 0:
-            log.warning(f"megastrategy: {message}; skipping this optimizer step on every rank.")
+        log_on_rank_zero(log, logging.WARNING, f"megastrategy: {message}; skipping this optimizer step on every rank.")
         return False

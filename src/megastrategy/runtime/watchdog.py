@@ -7,6 +7,7 @@ from typing import Optional
 
 from megastrategy.component import Component, Environment
 from megastrategy.config import MegatronConfig
+from megastrategy.rank_zero import log_on_rank_zero
 from megastrategy.watchdog import FailureWatchdog
 
 log = logging.getLogger(__name__)
@@ -31,7 +32,8 @@ class Watchdog(Component):
 
             store = _get_default_store()
         except Exception as err:  # noqa: BLE001 - an init method without a store
-            log.warning(f"megastrategy: no rendezvous store ({err}); failures will surface at the collective timeout")
+            message = f"megastrategy: no rendezvous store ({err}); failures will surface at the collective timeout"
+            log_on_rank_zero(log, logging.WARNING, message)
             return
         layout = env.layout
 

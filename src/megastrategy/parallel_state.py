@@ -190,6 +190,8 @@ class ParallelState:
         self.dp_cp_group, self.dp_cp_ranks = make(dense.get_ranks("dp-cp"))
         self.mp_group, self.mp_ranks = make(dense.get_ranks("tp-pp"))
         self.tp_dp_group, self.tp_dp_ranks = make(dense.get_ranks("tp-dp"))
+        # every rank of one model replica (all but dp): they must see the same batch
+        self.replica_group, self.replica_ranks = make(dense.get_ranks("tp-cp-pp"))
         pp_groups = dense.get_ranks("pp")
         self.embedding_group, self.embedding_ranks = make(
             [sorted({g[0], g[-1]}) for g in pp_groups]

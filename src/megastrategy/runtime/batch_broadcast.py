@@ -1,4 +1,4 @@
-"""The TP batch broadcast (:mod:`megastrategy.batch_broadcast`) as a component."""
+"""The batch broadcast (:mod:`megastrategy.batch_broadcast`) within a model replica, as a component."""
 from __future__ import annotations
 
 from typing import Any
@@ -11,15 +11,17 @@ from megastrategy.config import MegatronConfig
 
 
 class BatchBroadcast(Component):
-    """``broadcast_batch`` (default: when ``tp > 1``): every TP rank of a replica gets the batch of
-    the replica's first TP rank, so random data pipelines cannot diverge across TP ranks."""
+    """``broadcast_batch`` (default: when tp·cp·pp > 1): every rank of a model replica (its TP, CP
+    and pipeline ranks) gets the batch of the replica's first rank, so a random data pipeline
+    (MLM masking, worker seeds) cannot give the first stage other inputs than the last stage's
+    labels, or one TP rank other tokens than another."""
 
     def __init__(self, config: MegatronConfig) -> None:
         self.enabled = config.should_broadcast_batch
         self._src, self._group = 0, None
 
     def on_environment(self, env: Environment) -> None:
-        self._src, self._group = env.parallel_state.tp_ranks[0], env.parallel_state.tp_group
+        self._src, self._group = env.parallel_state.replica_ranks[0], env.parallel_state.replica_group
 
     def on_batch(self, batch: Any, device: torch.device) -> Any:
         if self._group is None:

@@ -72,6 +72,7 @@ class MegatronStrategy(DDPStrategy):
             parts.SequenceParallel(c),
             parts.TransformerEngine(c),
             parts.Recompute(c),
+            parts.ContextParallelComponent(c),
             parts.Pipeline(c),
             parts.ExpertParallel(c),
             parts.CudaGraphs(c),

@@ -4,7 +4,8 @@ Real gloo processes; every world size is one launch that trains each case in tur
 (tests/scripts/train_cp.py), and each DDP reference runs once. Per-step train losses and the
 validation loss must agree within 2e-4 (fp32, dropout off); all_gather at validation epoch end
 must see each example once (cp ranks are not replicas), a torchmetrics metric must equal DDP's,
-and the ring must have carried bytes (the sequence really was split).
+and the ring must have carried bytes (the sequence really was split). A run saved halfway and
+resumed in a new Trainer must continue exactly.
 """
 import json
 from pathlib import Path
@@ -24,9 +25,9 @@ TOL = 2e-4
 LLAMA, NOPAD, BERT = "llama", {"pad": False}, "bert-metrics"
 
 
-def _case(name, model=LLAMA, strategy="megatron", model_kwargs=None, expect_error=False, **kwargs):
+def _case(name, model=LLAMA, strategy="megatron", model_kwargs=None, expect_error=False, resume=False, **kwargs):
     return {"name": name, "model": model, "strategy": strategy, "kwargs": kwargs,
-            "model_kwargs": model_kwargs or {}, "expect_error": expect_error}
+            "model_kwargs": model_kwargs or {}, "expect_error": expect_error, "resume": resume}
 
 
 LAUNCHES = {
@@ -34,6 +35,7 @@ LAUNCHES = {
         _case("ddp_bert", model=BERT, strategy="ddp")],
     2: [_case("ddp_dp2", strategy="ddp"), _case("cp2", cp=2), _case("cp2_distopt", cp=2, use_distributed_optimizer=True),
         _case("cp2_bert", model=BERT, cp=2),
+        _case("cp2_distopt_resumed", cp=2, use_distributed_optimizer=True, resume=True),  # saved halfway, resumed
         _case("balanced_seq14", cp=2, model_kwargs={"seq": 14}, expect_error=True),
         _case("contiguous_seq15", cp=2, cp_layout="contiguous", model_kwargs={"seq": 15}, expect_error=True)],
     4: [_case("cp4", cp=4), _case("tp2cp2", tp=2, cp=2), _case("tp2cp2_sp", tp=2, cp=2, sequence_parallel=True),
@@ -44,7 +46,7 @@ EQUIVALENT = [
     ("cp2", 2, "ddp", 1), ("cp4", 4, "ddp", 1), ("tp2cp2", 4, "ddp", 1), ("tp2cp2_sp", 4, "ddp", 1),
     # pipelining averages per-microbatch token means: no padding, so that equals DDP's one mean
     ("cp2pp2", 4, "ddp_nopad", 1), ("dp2cp2", 4, "ddp_dp2", 2), ("cp2_distopt", 2, "ddp", 1),
-    ("cp2_bert", 2, "ddp_bert", 1),
+    ("cp2_bert", 2, "ddp_bert", 1), ("cp2_distopt_resumed", 2, "ddp", 1),
 ]
 
 

@@ -3,7 +3,7 @@ the same seed, under DDPStrategy or MegatronStrategy(**kwargs). Starting N proce
 than a tiny run, so one launch checks every layout of one world size.
 
 ``--cases`` is JSON: ``[{"name", "model", "strategy": "ddp"|"megatron", "kwargs": {...},
-"model_kwargs": {...}, "expect_error": bool}]`` (refusal cases go last).
+"model_kwargs": {...}, "expect_error": bool, "resume": bool}]`` (refusal cases go last).
 Rank 0 writes ``{name: {"train_loss", "val_loss", "metrics", "gathered"} | {"error": message}}``.
 """
 from __future__ import annotations
@@ -38,32 +38,43 @@ class RingTraffic(L.Callback):
         self.bytes_sent = part.context.ring.bytes_sent if part is not None and part.context is not None else 0
 
 
-def run_case(case: dict, steps: int, devices: int) -> dict:
+def fit(case: dict, devices: int, max_steps: int, n_train: int, callbacks: list, **fit_kwargs):
+    """One Trainer over a fresh module from the same seed; returns (trainer, module)."""
     torch.set_num_threads(1)
     L.seed_everything(7, verbose=False)
-    extra = case.get("model_kwargs", {})
-    module = MODELS[case["model"]](n_layer=2, n_train=8 * steps, **extra)
+    module = MODELS[case["model"]](n_layer=2, n_train=n_train, **case.get("model_kwargs", {}))
     if case["strategy"] == "ddp":
         strategy = DDPStrategy()
     else:
         from megastrategy import MegatronStrategy
 
         strategy = MegatronStrategy(**case.get("kwargs", {}))
-    rec, ring = Recorder(), RingTraffic()
     trainer = L.Trainer(
-        accelerator="cpu", devices=devices, strategy=strategy, max_steps=steps,
-        val_check_interval=steps, num_sanity_val_steps=0, limit_val_batches=2, callbacks=[rec, ring],
+        accelerator="cpu", devices=devices, strategy=strategy, max_steps=max_steps,
+        val_check_interval=n_train // 8, num_sanity_val_steps=0, limit_val_batches=2, callbacks=callbacks,
         enable_checkpointing=False, logger=False, enable_progress_bar=False, enable_model_summary=False,
     )
+    trainer.fit(module, **fit_kwargs)
+    return trainer, module
+
+
+def run_case(case: dict, steps: int, devices: int, folder: Path) -> dict:
+    """The case's losses; with ``"resume": true`` it stops halfway, saves, and resumes in a new Trainer."""
+    rec, ring = Recorder(), RingTraffic()
     try:
-        trainer.fit(module)
+        if case.get("resume"):
+            first, _ = fit(case, devices, steps // 2, 8 * steps, [rec])
+            first.save_checkpoint(folder / f"{case['name']}.ckpt")
+            fit_kwargs = {"ckpt_path": str(folder / f"{case['name']}.ckpt")}
+        else:
+            fit_kwargs = {}
+        trainer, module = fit(case, devices, steps, 8 * steps, [rec, ring], **fit_kwargs)
     except Exception as error:  # noqa: BLE001 - a refusal case records its message
         if not case.get("expect_error"):
             raise
         return {"error": f"{type(error).__name__}: {error}"}
     return {"train_loss": rec.train_loss, "val_loss": rec.val_loss, "gathered": getattr(module, "gathered", []),
-            "ring_bytes": ring.bytes_sent,
-            "metrics": {k: float(v) for k, v in trainer.callback_metrics.items()}}
+            "ring_bytes": ring.bytes_sent, "metrics": {k: float(v) for k, v in trainer.callback_metrics.items()}}
 
 
 def main() -> None:
@@ -74,7 +85,7 @@ def main() -> None:
     args = p.parse_args()
     results, devices = {}, int(os.environ["WORLD_SIZE"])  # Lightning's teardown removes the variable
     for case in json.loads(args.cases):
-        results[case["name"]] = run_case(case, args.steps, devices)
+        results[case["name"]] = run_case(case, args.steps, devices, Path(args.out).parent)
         torch.distributed.barrier()
     if torch.distributed.get_rank() == 0:
         Path(args.out).write_text(json.dumps(results))

@@ -25,16 +25,23 @@ TOL = 2e-4
 LLAMA, NOPAD, BERT = "llama", {"pad": False}, "bert-metrics"
 
 
-def _case(name, model=LLAMA, strategy="megatron", model_kwargs=None, expect_error=False, resume=False, **kwargs):
-    return {"name": name, "model": model, "strategy": strategy, "kwargs": kwargs,
-            "model_kwargs": model_kwargs or {}, "expect_error": expect_error, "resume": resume}
+def _case(name, model=LLAMA, strategy="megatron", model_kwargs=None, trainer=None, expect_error=False, resume=False,
+          **kwargs):
+    return {"name": name, "model": model, "strategy": strategy, "kwargs": kwargs, "model_kwargs": model_kwargs or {},
+            "trainer": trainer or {}, "expect_error": expect_error, "resume": resume}
+
+
+# SGD feels the gradient's scale (Adam does not): a norm counted once per cp rank would show
+CLIP = {"model_kwargs": {"optimizer": "sgd"}, "trainer": {"gradient_clip_val": 0.05, "accumulate_grad_batches": 2}}
 
 
 LAUNCHES = {
     1: [_case("ddp", strategy="ddp"), _case("ddp_nopad", strategy="ddp", model_kwargs=NOPAD),
-        _case("ddp_bert", model=BERT, strategy="ddp")],
+        _case("ddp_bert", model=BERT, strategy="ddp"), _case("ddp_clip", strategy="ddp", **CLIP),
+        _case("ddp_noclip", strategy="ddp", model_kwargs=CLIP["model_kwargs"], trainer={"accumulate_grad_batches": 2})],
     2: [_case("ddp_dp2", strategy="ddp"), _case("cp2", cp=2), _case("cp2_distopt", cp=2, use_distributed_optimizer=True),
         _case("cp2_bert", model=BERT, cp=2),
+        _case("cp2_clip_accumulate", cp=2, **CLIP),
         _case("cp2_distopt_resumed", cp=2, use_distributed_optimizer=True, resume=True),  # saved halfway, resumed
         _case("balanced_seq14", cp=2, model_kwargs={"seq": 14}, expect_error=True),
         _case("contiguous_seq15", cp=2, cp_layout="contiguous", model_kwargs={"seq": 15}, expect_error=True)],
@@ -47,6 +54,7 @@ EQUIVALENT = [
     # pipelining averages per-microbatch token means: no padding, so that equals DDP's one mean
     ("cp2pp2", 4, "ddp_nopad", 1), ("dp2cp2", 4, "ddp_dp2", 2), ("cp2_distopt", 2, "ddp", 1),
     ("cp2_bert", 2, "ddp_bert", 1), ("cp2_distopt_resumed", 2, "ddp", 1),
+    ("cp2_clip_accumulate", 2, "ddp_clip", 1),
 ]
 
 
@@ -69,6 +77,12 @@ def test_cp_trains_as_ddp(name, nprocs, ref_name, ref_nprocs):
     for key in ("val_acc", "train_acc_epoch"):  # torchmetrics synced over replicas, not cp ranks
         if key in ref["metrics"]:
             assert ours["metrics"][key] == pytest.approx(ref["metrics"][key], abs=1e-6), key
+
+
+@pytest.mark.slow
+def test_the_clipping_case_really_clips():
+    runs = _launch(1)
+    assert max(abs(a - b) for a, b in zip(runs["ddp_clip"]["train_loss"], runs["ddp_noclip"]["train_loss"])) > 1e-3
 
 
 @pytest.mark.slow

@@ -3,7 +3,7 @@ the same seed, under DDPStrategy or MegatronStrategy(**kwargs). Starting N proce
 than a tiny run, so one launch checks every layout of one world size.
 
 ``--cases`` is JSON: ``[{"name", "model", "strategy": "ddp"|"megatron", "kwargs": {...},
-"model_kwargs": {...}, "expect_error": bool, "resume": bool}]`` (refusal cases go last).
+"model_kwargs": {...}, "trainer": {...}, "expect_error": bool, "resume": bool}]`` (refusal cases go last).
 Rank 0 writes ``{name: {"train_loss", "val_loss", "metrics", "gathered"} | {"error": message}}``.
 """
 from __future__ import annotations
@@ -53,6 +53,7 @@ def fit(case: dict, devices: int, max_steps: int, n_train: int, callbacks: list,
         accelerator="cpu", devices=devices, strategy=strategy, max_steps=max_steps,
         val_check_interval=n_train // 8, num_sanity_val_steps=0, limit_val_batches=2, callbacks=callbacks,
         enable_checkpointing=False, logger=False, enable_progress_bar=False, enable_model_summary=False,
+        **case.get("trainer", {}),
     )
     trainer.fit(module, **fit_kwargs)
     return trainer, module

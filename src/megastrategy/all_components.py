@@ -1,6 +1,7 @@
 """Every component class, in one namespace for the strategy's ordered list (and for users who
 want to look one up with ``strategy.component(kind)``)."""
 from megastrategy.checkpoint.component import Checkpoints
+from megastrategy.context.component import ContextParallelComponent
 from megastrategy.cuda_graphs.component import CudaGraphs
 from megastrategy.ddp.component import GradientBuffers
 from megastrategy.ddp.nonfinite_guard import NonFiniteGuard
@@ -10,6 +11,6 @@ from megastrategy.pipeline.component import Pipeline
 from megastrategy.runtime import BatchBroadcast, Watchdog
 
 __all__ = [
-    "BatchBroadcast", "Checkpoints", "CudaGraphs", "ExpertParallel", "GradientBuffers", "NonFiniteGuard", "Pipeline",
+    "BatchBroadcast", "Checkpoints", "ContextParallelComponent", "CudaGraphs", "ExpertParallel", "GradientBuffers", "NonFiniteGuard", "Pipeline",
     "Recompute", "SequenceParallel", "TensorParallel", "TransformerEngine", "Watchdog",
 ]

@@ -85,6 +85,12 @@ class SetupContext:
         return cls(config, parallel_state, device, module, tracker, ModelAnatomy.find(module, config.pipeline_layers))
 
     @property
+    def grad_reduce_group(self):
+        """The group gradients are averaged over: data-parallel replicas and, under context
+        parallelism, the cp ranks that each hold part of every sequence (dp×cp; dp when cp=1)."""
+        return self.parallel_state.dp_cp_group
+
+    @property
     def stack_path(self) -> Optional[str]:
         """The layer stack's path: the stage's once cut, else the anatomy's, else the user's argument."""
         if self.stage is not None:

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any, Mapping, NamedTuple, Optional
 
+from megastrategy.context.validation import LAYOUT_CHOICES, OUTPUT_CHOICES
 from megastrategy.cuda_graphs.scope import validate_cuda_graph_scope
 from megastrategy.ddp.grad_buffer import DEFAULT_BUCKET_NUMEL
 from megastrategy.errors import MegatronConfigError
@@ -46,6 +47,10 @@ CONSTRUCTOR_RULES: tuple[Rule, ...] = (
     Rule("on_nonfinite", {"on_nonfinite": "ignore"}, _BAD_VALUES),
     Rule("activation_checkpointing", {"activation_checkpointing": "partial"}, _BAD_VALUES),
     Rule("ep", {"ep": 2, "cp": 2}, "`ep > 1` with `cp > 1`"),
+    Rule("cp_layout", {"cp": 2, "cp_layout": "zigzag"}, _BAD_VALUES),
+    Rule("cp_output", {"cp": 2, "cp_output": "logits"}, _BAD_VALUES),
+    Rule("activation_checkpointing", {"cp": 2, "activation_checkpointing": "full"},
+         "`activation_checkpointing` with `cp > 1`"),
     Rule("sequence_parallel", {"sequence_parallel": True, "tp": 1},
          "`sequence_parallel=True` with `tp=1`, or a model it cannot split"),
     Rule("backend", {"backend": "cuda"}, "`backend` not `auto`/`torch`/`te`; `fp8=True` with `backend=\"torch\"`"),
@@ -57,9 +62,6 @@ CONSTRUCTOR_RULES: tuple[Rule, ...] = (
          "unknown `cuda_graph_scope` name, `moe_preprocess` without `moe_router`, graphs with full recompute"),
 )
 
-_NOT_YET = {"cp": "context parallelism (cp > 1)"}
-
-
 @dataclass(frozen=True)
 class MegatronConfig:
     """What the user asked for: every keyword ``MegatronStrategy`` takes.
@@ -67,7 +69,12 @@ class MegatronConfig:
     Args:
         tp: tensor-parallel size; every layer the plan names is split over ``tp`` ranks.
         pp, vp: pipeline stages, and virtual chunks per stage (interleaved schedule).
-        cp: context-parallel size. ep, etp: expert-parallel size and expert-TP size (default ``tp``).
+        cp: context-parallel size: every training sequence is split over ``cp`` ranks (evaluation
+            runs unsplit). cp_layout: ``"balanced"`` (``2·cp`` chunks, equal causal work),
+            ``"contiguous"`` or ``"auto"`` (contiguous for bidirectional models). cp_output:
+            ``"tokens"`` (outputs stay split, token losses reduced over cp), ``"sequence"`` (the
+            encoder output is gathered for heads that pool the sequence) or ``"auto"``.
+        ep, etp: expert-parallel size and expert-TP size (default ``tp``).
         num_microbatches: microbatches per training step under ``pp > 1`` (default ``pp``).
         tp_plan: ``{glob over named_modules(): "column" | "row" | "vocab" | "replicate"}``;
             ``None`` detects Hugging Face and ``torch.nn.Transformer*Layer`` models.
@@ -95,6 +102,8 @@ class MegatronConfig:
     pp: int = 1
     vp: Optional[int] = None
     cp: int = 1
+    cp_layout: str = "auto"
+    cp_output: str = "auto"
     ep: int = 1
     etp: Optional[int] = None
     num_microbatches: Optional[int] = None
@@ -140,11 +149,6 @@ class MegatronConfig:
                 f"MegatronStrategy(ep={self.ep}, cp={self.cp}): expert and context parallelism cannot be combined; "
                 "use ep > 1 with cp=1 (experts) or cp > 1 with ep=1."
             )
-        if self.cp > 1:
-            raise NotImplementedError(
-                f"MegatronStrategy(cp=...): {_NOT_YET['cp']} is not available in this version; "
-                "tensor, pipeline, data and expert parallelism are."
-            )
         m = self.num_microbatches
         if m is not None and (not isinstance(m, int) or m < 1):
             raise MegatronConfigError(f"num_microbatches={m!r} must be a positive integer or None (= pp).")
@@ -155,12 +159,21 @@ class MegatronConfig:
                 f"tp_plan={self.tp_plan!r}: expected a dict from module-name globs to "
                 "'column' | 'row' | 'vocab' | 'replicate', e.g. {'blocks.*.attn.qkv': 'column'}."
             )
+        for name, choices in (("cp_layout", LAYOUT_CHOICES), ("cp_output", OUTPUT_CHOICES)):
+            if getattr(self, name) not in choices:
+                raise MegatronConfigError(f"MegatronStrategy({name}={getattr(self, name)!r}): use one of {choices}.")
         if self.on_nonfinite not in ("skip", "raise"):
             raise MegatronConfigError(f"on_nonfinite={self.on_nonfinite!r}: use 'skip' or 'raise'.")
 
     def _check_features(self) -> None:
         validate_sequence_parallel(tp=self.tp, sequence_parallel=self.sequence_parallel)
         validate_recompute_mode(self.activation_checkpointing)
+        if self.cp > 1 and self.activation_checkpointing is not None:
+            raise MegatronConfigError(
+                f"MegatronStrategy(activation_checkpointing={self.activation_checkpointing!r}, cp={self.cp}): "
+                "recompute would replay the blocks outside the split microbatch, where ring attention and global "
+                "positions are not active. Use activation_checkpointing=None with cp > 1, or recompute with cp=1."
+            )
         if self.backend not in BACKENDS:
             raise MegatronConfigError(f"backend={self.backend!r}: use one of {', '.join(map(repr, BACKENDS))}.")
         validate_fp8(self.fp8, self.backend)

@@ -1,7 +1,8 @@
 """Data-parallel replicas as Lightning sees them: start alike, reduce and measure over replicas.
 
-TP and PP ranks of one replica hold parts of one model, so Lightning's world-wide collectives
-would count each example once per model-parallel rank; these helpers use the DP group instead.
+TP and PP ranks of one replica hold parts of one model, and CP ranks parts of the same examples,
+so Lightning's world-wide collectives would count each example once per model-parallel rank;
+these helpers use the DP group instead.
 """
 from __future__ import annotations
 

@@ -75,6 +75,7 @@ class MegatronStrategy(DDPStrategy):
             parts.SequenceParallel(c),
             parts.TransformerEngine(c),
             parts.Recompute(c),
+            parts.ContextParallelComponent(c),
             parts.Pipeline(c),
             parts.ExpertParallel(c),
             parts.CudaGraphs(c),
@@ -262,7 +263,7 @@ class MegatronStrategy(DDPStrategy):
             self._each("zero_grads")
 
     def reduce(self, tensor, group: Optional[Any] = None, reduce_op: Optional[Union[str, Any]] = "mean"):
-        """Reduce over data-parallel replicas (TP ranks of a replica hold the same value)."""
+        """Reduce over data-parallel replicas (TP and CP ranks of a replica hold the same value)."""
         if not isinstance(tensor, torch.Tensor) or self.parallel_state is None or not dist.is_initialized():
             return tensor
         return reduce_over(tensor, self.parallel_state.dp_group if group is None else group, reduce_op)
@@ -271,7 +272,8 @@ class MegatronStrategy(DDPStrategy):
         return agree_everywhere(decision, all=all, device=self.root_device)
 
     def all_gather(self, tensor: torch.Tensor, group: Optional[Any] = None, sync_grads: bool = False) -> torch.Tensor:
-        """Gather over data-parallel replicas, so every example appears once (as under DDP).
+        """Gather over data-parallel replicas, so every example appears once (as under DDP; CP ranks
+        hold the same examples, so they are one replica).
         ``LightningModule.all_gather`` passes the world group by default: that means replicas here."""
         group = self._state().dp_group if group in (None, dist.group.WORLD) else group
         return super().all_gather(tensor, group=group, sync_grads=sync_grads)

@@ -193,7 +193,53 @@ class BertWithMetrics(BertClassifier):
         self.log("val_acc", self.val_acc, on_epoch=True)
 
 
+class LMDataset(TokenDataset):
+    """Token sequences with right padding (none with ``pad=False``); labels: the tokens, -100 on padding."""
+
+    def __init__(self, n: int, pad: bool = True, **kw):
+        super().__init__(n, **kw)
+        if not pad:
+            self.mask = torch.ones_like(self.mask)
+
+    def __getitem__(self, i):
+        ids, mask = self.ids[i], self.mask[i]
+        return {"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)}
+
+
+class LlamaLM(BaseModule):
+    """A Hugging Face LlamaForCausalLM (GQA) built from a config, loss through ``labels=``; its
+    validation epoch all-gathers one value per example, as user code collecting predictions does."""
+
+    def __init__(self, n_layer: int = 2, seq: int = SEQ, pad: bool = True, **kw):
+        super().__init__(**kw)
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        cfg = LlamaConfig(
+            vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=n_layer, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=64, attn_implementation="sdpa",
+        )
+        self.model = LlamaForCausalLM(cfg)
+        self.seq, self.pad, self.seen, self.gathered = seq, pad, [], []
+
+    def train_dataloader(self):
+        return DataLoader(LMDataset(self.n_train, pad=self.pad, seq=self.seq), batch_size=self.batch_size)
+
+    def val_dataloader(self):
+        return DataLoader(LMDataset(self.n_val, pad=self.pad, seq=self.seq, seed=99), batch_size=self.batch_size)
+
+    def compute_loss(self, batch):
+        return self.model(**batch).loss
+
+    def validation_step(self, batch, batch_idx):
+        self.seen.append(batch["input_ids"][:, 0].float())
+        return super().validation_step(batch, batch_idx)
+
+    def on_validation_epoch_end(self):
+        self.gathered.append(int(self.all_gather(torch.cat(self.seen)).numel()))
+        self.seen.clear()
+
+
 from tests.helpers import moe_models  # noqa: E402  (after BaseModule, which it subclasses)
 
-MODELS = {"bert": BertClassifier, "gpt": GPT, "encoder": EncoderClassifier, "bert-metrics": BertWithMetrics,
+MODELS = {"bert": BertClassifier, "gpt": GPT, "llama": LlamaLM, "encoder": EncoderClassifier, "bert-metrics": BertWithMetrics,
           "moe-gpt": lambda **kw: moe_models.MoEGPT(**kw)}

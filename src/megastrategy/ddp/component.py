@@ -1,5 +1,5 @@
 """Data parallelism as a component: the contiguous fp32 gradient buffer, its reduction over the
-data-parallel replicas, ZeRO-1, and clipping by the true global norm.
+data-parallel replicas (and the cp ranks: ``SetupContext.grad_reduce_group``), ZeRO-1, and clipping by the true global norm.
 
 Order within one optimizer step (driven by the strategy)::
 
@@ -55,7 +55,7 @@ class GradientBuffers(Component):
         c, self._ctx = self.config, ctx
         self.buffer = GradientBuffer(
             dense_parameters(module),
-            group=ctx.parallel_state.dp_group,
+            group=ctx.grad_reduce_group,
             grad_reduce_in_fp32=c.grad_reduce_in_fp32,
             bucket_numel=c.bucket_numel,
             overlap_grad_reduce=c.overlap_grad_reduce,

@@ -202,20 +202,7 @@ class TensorParallelMultiheadAttention(nn.Module):
             add_bias_kv=mha.bias_k is not None or mha.bias_v is not None,
             add_zero_attn=mha.add_zero_attn,
         )
-        in_proj = ColumnParallelLinear.from_weight(
-            mha.in_proj_weight,
-            mha.in_proj_bias,
-            group=group,
-            gather_output=False,
-            packed_chunks=3,
-            input_copy=input_copy,
-        )
-        out_proj = RowParallelLinear.from_weight(
-            mha.out_proj.weight,
-            mha.out_proj.bias,
-            group=group,
-            input_is_parallel=True,
-        )
+        in_proj, out_proj = _sharded_projections(mha, group, input_copy)
         if mha.dropout > 0 and rng_tracker is None and tp_size > 1:
             warnings.warn(
                 f"TensorParallelMultiheadAttention.from_module: dropout={mha.dropout} on the attention "
@@ -421,6 +408,25 @@ class TensorParallelMultiheadAttention(nn.Module):
             return probs
         gathered = gather_from_tensor_parallel_region(probs.movedim(1, -1).contiguous(), self.group)
         return gathered.movedim(-1, 1)
+
+
+def _sharded_projections(mha: nn.MultiheadAttention, group: Any, input_copy: Any) -> tuple[nn.Module, nn.Module]:
+    """The packed q/k/v projection split by heads (column) and the output projection (row)."""
+    in_proj = ColumnParallelLinear.from_weight(
+        mha.in_proj_weight,
+        mha.in_proj_bias,
+        group=group,
+        gather_output=False,
+        packed_chunks=3,
+        input_copy=input_copy,
+    )
+    out_proj = RowParallelLinear.from_weight(
+        mha.out_proj.weight,
+        mha.out_proj.bias,
+        group=group,
+        input_is_parallel=True,
+    )
+    return in_proj, out_proj
 
 
 def _normalize_masks(

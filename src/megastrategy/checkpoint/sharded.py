@@ -328,8 +328,35 @@ def load_optimizer_states(
     """
     md = read_metadata(path).state_dict_metadata
     layout, meshes = _layout(module, parallel_state, plan)
-    canonical = layout.canonical()
-    # optimizer index -> saved parameter name -> [state keys]
+    templates = _OptimizerTemplates(md, layout, meshes)
+    plans: list[list[_StateEntry]] = []
+    for i, opt in enumerate(optimizers):
+        gkey = optim_groups_key(i)
+        if gkey not in md:
+            raise ValueError(
+                f"{path} holds the state of fewer optimizers than the {len(optimizers)} configured "
+                f"(no {gkey}); configure_optimizers must return the same optimizers as when it was saved."
+            )
+        templates.objects[gkey] = None
+        plans.append(templates.entries(i, opt))
+    if templates.unnamed:
+        unnamed = templates.unnamed
+        warnings.warn(
+            f"{path}: no optimizer state saved for {len(unnamed)} parameter(s) ({unnamed[:5]}); "
+            "they start with a fresh optimizer state.",
+            stacklevel=2,
+        )
+    with torch.no_grad():
+        loaded = load_state(path, templates.objects)
+    return [_torch_optimizer_state(i, opt, entries, loaded) for i, (opt, entries) in enumerate(zip(optimizers, plans))]
+
+
+#: one optimizer state tensor to load: (param index, dcp key, state key, DCP object or None, local tensor)
+_StateEntry = tuple[int, str, str, Any, Optional[Tensor]]
+
+
+def _saved_state_keys(md: dict[str, Any]) -> dict[int, dict[str, list[str]]]:
+    """optimizer index -> saved parameter name -> [state keys], from the checkpoint's keys."""
     saved: dict[int, dict[str, list[str]]] = {}
     for k in md:
         if not k.startswith("optim/"):
@@ -338,70 +365,72 @@ def load_optimizer_states(
         if kind == "state" and "/" in rest:
             name, key = rest.split("/", 1)
             saved.setdefault(int(i), {}).setdefault(name, []).append(key)
+    return saved
 
-    objects: dict[str, Any] = {}
-    plans: list[list[tuple[int, str, str, Any, Tensor]]] = []  # (param index, dcp key, state key, obj, local)
-    unnamed: list[str] = []
-    for i, opt in enumerate(optimizers):
-        gkey = optim_groups_key(i)
-        if gkey not in md:
-            raise ValueError(
-                f"{path} holds the state of fewer optimizers than the {len(optimizers)} configured "
-                f"(no {gkey}); configure_optimizers must return the same optimizers as when it was saved."
-            )
-        objects[gkey] = None
-        entries = []
+
+class _OptimizerTemplates:
+    """DCP templates, in the current layout, for the optimizer states the checkpoint holds;
+    ``objects`` is what DCP fills, ``unnamed`` the parameters it holds no state for."""
+
+    def __init__(self, md: dict[str, Any], layout: ModuleLayout, meshes: MeshCache) -> None:
+        self.md = md
+        self.layout = layout
+        self.canonical = layout.canonical()
+        self.meshes = meshes
+        self.saved = _saved_state_keys(md)
+        self.objects: dict[str, Any] = {}
+        self.unnamed: list[str] = []
+
+    def entries(self, i: int, opt: torch.optim.Optimizer) -> list[_StateEntry]:
+        """The state entries of optimizer ``i``, numbered as ``opt.state_dict()`` numbers params."""
+        entries: list[_StateEntry] = []
+        saved = self.saved.get(i, {})
         flat = [p for g in opt.param_groups for p in g["params"]]
         for idx, p in enumerate(flat):
-            names = layout.param_names.get(id(p), [])
-            name = next((n for n in names if n in saved.get(i, {})), None)
+            names = self.layout.param_names.get(id(p), [])
+            name = next((n for n in names if n in saved), None)
             if name is None:
-                if saved.get(i):
-                    unnamed.append(names[0] if names else f"#{idx}")
+                if saved:
+                    self.unnamed.append(names[0] if names else f"#{idx}")
                 continue
-            lay: TensorLayout = canonical[names[0]][1]
-            for key in saved[i][name]:
+            lay: TensorLayout = self.canonical[names[0]][1]
+            for key in saved[name]:
                 dkey = f"{optim_state_prefix(i)}{name}/{key}"
-                smd = md[dkey]
-                if isinstance(smd, BytesStorageMetadata):
-                    objects[dkey] = None
-                    entries.append((idx, dkey, key, None, None))
-                    continue
-                if p.dim() > 0 and smd.size == torch.Size(lay.canonical_shape(p)):
-                    local = torch.zeros_like(p, dtype=smd.properties.dtype, memory_format=torch.contiguous_format)
-                    obj = to_dcp_object(lay, local, meshes)
-                else:
-                    local = torch.zeros(smd.size, dtype=smd.properties.dtype, device=p.device)
-                    obj = local
-                objects[dkey] = obj
+                obj, local = self._template(self.md[dkey], lay, p)
+                self.objects[dkey] = obj
                 entries.append((idx, dkey, key, obj, local))
-        plans.append(entries)
-    if unnamed:
-        warnings.warn(
-            f"{path}: no optimizer state saved for {len(unnamed)} parameter(s) ({unnamed[:5]}); "
-            "they start with a fresh optimizer state.",
-            stacklevel=2,
-        )
-    with torch.no_grad():
-        loaded = load_state(path, objects)
+        return entries
 
-    out = []
-    for i, (opt, entries) in enumerate(zip(optimizers, plans)):
-        groups_saved = loaded[optim_groups_key(i)]
-        if len(groups_saved) != len(opt.param_groups):
-            raise ValueError(
-                f"optimizer {i}: the checkpoint has {len(groups_saved)} parameter groups, the optimizer "
-                f"{len(opt.param_groups)}; configure_optimizers must build the same groups."
-            )
-        groups, start = [], 0
-        for g_saved, g in zip(groups_saved, opt.param_groups):
-            groups.append({**g_saved, "params": list(range(start, start + len(g["params"])))})
-            start += len(g["params"])
-        state: dict[int, dict[str, Any]] = {}
-        for idx, dkey, key, obj, local in entries:
-            state.setdefault(idx, {})[key] = loaded[dkey] if obj is None else local
-        out.append({"state": state, "param_groups": groups})
-    return out
+    def _template(self, smd: Any, lay: TensorLayout, p: Tensor) -> tuple[Any, Optional[Tensor]]:
+        """(DCP object, local tensor): a shard of the parameter's layout for a state shaped like
+        it, a whole tensor for any other tensor, nothing for a pickled object."""
+        if isinstance(smd, BytesStorageMetadata):
+            return None, None
+        if p.dim() > 0 and smd.size == torch.Size(lay.canonical_shape(p)):
+            local = torch.zeros_like(p, dtype=smd.properties.dtype, memory_format=torch.contiguous_format)
+            return to_dcp_object(lay, local, self.meshes), local
+        local = torch.zeros(smd.size, dtype=smd.properties.dtype, device=p.device)
+        return local, local
+
+
+def _torch_optimizer_state(
+    i: int, opt: torch.optim.Optimizer, entries: list[_StateEntry], loaded: dict[str, Any]
+) -> dict[str, Any]:
+    """Optimizer ``i``'s loaded state as ``optimizer.load_state_dict`` takes it."""
+    groups_saved = loaded[optim_groups_key(i)]
+    if len(groups_saved) != len(opt.param_groups):
+        raise ValueError(
+            f"optimizer {i}: the checkpoint has {len(groups_saved)} parameter groups, the optimizer "
+            f"{len(opt.param_groups)}; configure_optimizers must build the same groups."
+        )
+    groups, start = [], 0
+    for g_saved, g in zip(groups_saved, opt.param_groups):
+        groups.append({**g_saved, "params": list(range(start, start + len(g["params"])))})
+        start += len(g["params"])
+    state: dict[int, dict[str, Any]] = {}
+    for idx, dkey, key, obj, local in entries:
+        state.setdefault(idx, {})[key] = loaded[dkey] if obj is None else local
+    return {"state": state, "param_groups": groups}
 
 
 def load_full_state_dict(

@@ -211,56 +211,85 @@ def find_graph_targets(
         chunk = chunk_of.get(index, 0)
         block_name = f"{prefix}{index}"
         if "attn" in scope:
-            if attention_modules:
-                found = [
-                    (n, m)
-                    for n, m in block.named_modules()
-                    if n and any(fnmatch.fnmatchcase(n, p) for p in attention_modules)
-                ]
-                found = [(n, m) for n, m in found if not any(n.startswith(f"{o}.") for o, _ in found)]
-            else:
-                found = _outermost(block, _is_attention)
-            if not found:
-                result.skipped.append(("attn", block_name, "no attention submodule"))
-            for path, module in found:
-                name = f"{block_name}.{path}"
-                _check_graph_safe_dropout(name, module)
-                result.targets.append(GraphTarget(name, "attn", index, chunk, module, "forward", module, module))
-        moe_layers = [(n, m) for n, m in block.named_modules() if isinstance(m, MoELayer)]
-        for path, moe in moe_layers:
-            name = f"{block_name}.{path}"
-            if "moe_router" in scope:
-                router = moe.router
-                result.targets.append(
-                    GraphTarget(f"{name}.router", "moe_router", index, chunk, router, "forward", router, moe)
-                )
-            if "moe_preprocess" in scope:
-                preprocess = getattr(moe.dispatcher, "preprocess", None)
-                if moe.router.capacity_factor is not None:
-                    result.skipped.append(
-                        (
-                            "moe_preprocess",
-                            name,
-                            f"capacity_factor={moe.router.capacity_factor} drops tokens, so the number of rows to "
-                            "dispatch depends on the routing; only the router is captured",
-                        )
-                    )
-                elif callable(preprocess):
-                    result.targets.append(
-                        GraphTarget(
-                            f"{name}.dispatcher.preprocess", "moe_preprocess", index, chunk, moe.dispatcher,
-                            "preprocess", None, moe,
-                        )
-                    )
-                else:
-                    result.skipped.append(
-                        (
-                            "moe_preprocess",
-                            name,
-                            f"{type(moe.dispatcher).__name__} has no separate preprocess step "
-                            "(its dispatch mixes the permutation with the all-to-all); only the router is captured",
-                        )
-                    )
+            _add_attention_targets(result, block, block_name, index, chunk, attention_modules)
+        for path, moe in [(n, m) for n, m in block.named_modules() if isinstance(m, MoELayer)]:
+            _add_moe_targets(result, scope, moe, f"{block_name}.{path}", index, chunk)
+    _check_scope_found(result, scope, blocks, prefix, stack_path)
+    skipped_pre = [s for s in result.skipped if s[0] == "moe_preprocess"]
+    if skipped_pre:
+        warnings.warn(
+            f"cuda_graph_scope 'moe_preprocess': {skipped_pre[0][2]} ({len(skipped_pre)} MoE layer(s)).",
+            stacklevel=2,
+        )
+    return result
+
+
+def _attention_of(block: nn.Module, attention_modules: Optional[Sequence[str]]) -> list[tuple[str, nn.Module]]:
+    """The outermost attention submodules of ``block``: those the globs name, else detected."""
+    if not attention_modules:
+        return _outermost(block, _is_attention)
+    found = [
+        (n, m) for n, m in block.named_modules() if n and any(fnmatch.fnmatchcase(n, p) for p in attention_modules)
+    ]
+    return [(n, m) for n, m in found if not any(n.startswith(f"{o}.") for o, _ in found)]
+
+
+def _add_attention_targets(
+    result: GraphTargets,
+    block: nn.Module,
+    block_name: str,
+    index: int,
+    chunk: int,
+    attention_modules: Optional[Sequence[str]],
+) -> None:
+    found = _attention_of(block, attention_modules)
+    if not found:
+        result.skipped.append(("attn", block_name, "no attention submodule"))
+    for path, module in found:
+        name = f"{block_name}.{path}"
+        _check_graph_safe_dropout(name, module)
+        result.targets.append(GraphTarget(name, "attn", index, chunk, module, "forward", module, module))
+
+
+def _add_moe_targets(result: GraphTargets, scope: list[str], moe: MoELayer, name: str, index: int, chunk: int) -> None:
+    """The router, and the dispatcher's preprocess step where the routing cannot change its shapes."""
+    if "moe_router" in scope:
+        router = moe.router
+        result.targets.append(GraphTarget(f"{name}.router", "moe_router", index, chunk, router, "forward", router, moe))
+    if "moe_preprocess" not in scope:
+        return
+    preprocess = getattr(moe.dispatcher, "preprocess", None)
+    if moe.router.capacity_factor is not None:
+        result.skipped.append(
+            (
+                "moe_preprocess",
+                name,
+                f"capacity_factor={moe.router.capacity_factor} drops tokens, so the number of rows to "
+                "dispatch depends on the routing; only the router is captured",
+            )
+        )
+    elif callable(preprocess):
+        result.targets.append(
+            GraphTarget(
+                f"{name}.dispatcher.preprocess", "moe_preprocess", index, chunk, moe.dispatcher,
+                "preprocess", None, moe,
+            )
+        )
+    else:
+        result.skipped.append(
+            (
+                "moe_preprocess",
+                name,
+                f"{type(moe.dispatcher).__name__} has no separate preprocess step "
+                "(its dispatch mixes the permutation with the all-to-all); only the router is captured",
+            )
+        )
+
+
+def _check_scope_found(
+    result: GraphTargets, scope: list[str], blocks: list[tuple[int, nn.Module]], prefix: str, stack_path: str
+) -> None:
+    """A scope entry that found nothing in any block is a configuration error, not a no-op."""
     if "attn" in scope and not result.of_kind("attn") and blocks:
         first = f"{prefix}{blocks[0][0]}"
         raise MegatronConfigError(
@@ -276,10 +305,3 @@ def find_graph_targets(
             f"megastrategy.moe.MoELayer. Drop 'moe_router' (and 'moe_preprocess') from cuda_graph_scope, or use "
             f"MoELayer for the MLPs."
         )
-    skipped_pre = [s for s in result.skipped if s[0] == "moe_preprocess"]
-    if skipped_pre:
-        warnings.warn(
-            f"cuda_graph_scope 'moe_preprocess': {skipped_pre[0][2]} ({len(skipped_pre)} MoE layer(s)).",
-            stacklevel=2,
-        )
-    return result

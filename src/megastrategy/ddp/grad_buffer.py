@@ -68,6 +68,23 @@ class _Bucket:
         return self.data.numel()
 
 
+def _bucket_plans(params: list[nn.Parameter], bucket_numel: int) -> list[list[nn.Parameter]]:
+    """Parameters in reverse order (the last layers' gradients are ready first in backward),
+    cut into buckets of at least ``bucket_numel`` elements (the last one may be smaller)."""
+    plans: list[list[nn.Parameter]] = []
+    current: list[nn.Parameter] = []
+    size = 0
+    for p in reversed(params):
+        current.append(p)
+        size += p.numel()
+        if size >= bucket_numel:
+            plans.append(current)
+            current, size = [], 0
+    if current:
+        plans.append(current)
+    return plans
+
+
 class GradientBuffer:
     """Contiguous gradient storage and its data-parallel reduction for a set of parameters.
 
@@ -124,43 +141,35 @@ class GradientBuffer:
             dtype = torch.float32 if grad_reduce_in_fp32 else p.dtype
             by_dtype.setdefault((dtype, p.device), []).append(p)
         for (dtype, device), group_params in by_dtype.items():
-            # Reverse order: the last layers' gradients are ready first in backward.
-            plans: list[list[nn.Parameter]] = []
-            current: list[nn.Parameter] = []
-            size = 0
-            for p in reversed(group_params):
-                current.append(p)
-                size += p.numel()
-                if size >= bucket_numel:
-                    plans.append(current)
-                    current, size = [], 0
-            if current:
-                plans.append(current)
-            sizes = [self._padded(sum(p.numel() for p in plan)) for plan in plans]
-            flat = torch.zeros(sum(sizes), dtype=dtype, device=device)
-            if dtype in self.buffers:  # same dtype on two devices: keep both reachable
-                self.buffers[(dtype, device)] = flat  # type: ignore[index]
-            else:
-                self.buffers[dtype] = flat
-            start = 0
-            for plan, bucket_size in zip(plans, sizes):
-                ranges: dict[int, tuple[int, int]] = {}
-                offset = 0
-                for p in plan:
-                    n = p.numel()
-                    p.main_grad = flat[start + offset : start + offset + n].view_as(p)
-                    ranges[id(p)] = (offset, offset + n)
-                    offset += n
-                bucket = _Bucket(flat[start : start + bucket_size], plan, ranges, len(self.buckets), start)
-                self.buckets.append(bucket)
-                for p in plan:
-                    self._bucket_of[id(p)] = bucket
-                start += bucket_size
+            self._allocate(dtype, device, _bucket_plans(group_params, bucket_numel))
         deferred = {id(p) for p in deferred_params}
         for bucket in self.buckets:
             bucket.deferred = any(id(p) in deferred for p in bucket.params)
         for p in self.params:
             self._hooks.append(p.register_post_accumulate_grad_hook(self._accumulate))
+
+    def _allocate(self, dtype: torch.dtype, device: torch.device, plans: list[list[nn.Parameter]]) -> None:
+        """One flat buffer for ``plans``' buckets; each parameter's ``main_grad`` is a view of it."""
+        sizes = [self._padded(sum(p.numel() for p in plan)) for plan in plans]
+        flat = torch.zeros(sum(sizes), dtype=dtype, device=device)
+        if dtype in self.buffers:  # same dtype on two devices: keep both reachable
+            self.buffers[(dtype, device)] = flat  # type: ignore[index]
+        else:
+            self.buffers[dtype] = flat
+        start = 0
+        for plan, bucket_size in zip(plans, sizes):
+            ranges: dict[int, tuple[int, int]] = {}
+            offset = 0
+            for p in plan:
+                n = p.numel()
+                p.main_grad = flat[start + offset : start + offset + n].view_as(p)
+                ranges[id(p)] = (offset, offset + n)
+                offset += n
+            bucket = _Bucket(flat[start : start + bucket_size], plan, ranges, len(self.buckets), start)
+            self.buckets.append(bucket)
+            for p in plan:
+                self._bucket_of[id(p)] = bucket
+            start += bucket_size
 
     def _padded(self, n: int) -> int:
         if not self.distributed_optimizer:

@@ -18,7 +18,7 @@ from __future__ import annotations
 import contextlib
 import math
 import warnings
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -202,20 +202,7 @@ class TensorParallelMultiheadAttention(nn.Module):
             add_bias_kv=mha.bias_k is not None or mha.bias_v is not None,
             add_zero_attn=mha.add_zero_attn,
         )
-        in_proj = ColumnParallelLinear.from_weight(
-            mha.in_proj_weight,
-            mha.in_proj_bias,
-            group=group,
-            gather_output=False,
-            packed_chunks=3,
-            input_copy=input_copy,
-        )
-        out_proj = RowParallelLinear.from_weight(
-            mha.out_proj.weight,
-            mha.out_proj.bias,
-            group=group,
-            input_is_parallel=True,
-        )
+        in_proj, out_proj = _sharded_projections(mha, group, input_copy)
         if mha.dropout > 0 and rng_tracker is None and tp_size > 1:
             warnings.warn(
                 f"TensorParallelMultiheadAttention.from_module: dropout={mha.dropout} on the attention "
@@ -336,48 +323,44 @@ class TensorParallelMultiheadAttention(nn.Module):
                 "tensors with a key_padding_mask"
             )
         is_batched = _shape_check(query, key, value, key_padding_mask, attn_mask, self.num_heads, self.embed_dim)
-        key_padding_mask = _canonical_mask(key_padding_mask, "key_padding_mask", query.dtype)
-        if is_causal and attn_mask is None:
-            raise RuntimeError(
-                "Need attn_mask if specifying the is_causal hint. You may use the Transformer module method "
-                "`generate_square_subsequent_mask` to create this mask."
-            )
-        if is_causal and key_padding_mask is None and not need_weights:
-            attn_mask = None  # the hint alone drives scaled_dot_product_attention
-        else:
-            attn_mask = _canonical_mask(attn_mask, "attn_mask", query.dtype)
-            if key_padding_mask is not None:
-                is_causal = False  # merged with the padding mask, no longer causal
-
-        # layout: batch index and sequence index of the inputs
-        if not is_batched:
-            batch_dim, seq_dim = None, 0
-        elif self.batch_first:
-            batch_dim, seq_dim = 0, 1
-        else:
-            batch_dim, seq_dim = 1, 0
-        bsz = query.shape[batch_dim] if batch_dim is not None else 1
-        tgt_len = query.shape[seq_dim]
-        src_len = key.shape[seq_dim]
-        if key_padding_mask is not None:
-            kpm = key_padding_mask if is_batched else key_padding_mask.unsqueeze(0)
-            if tuple(kpm.shape) != (bsz, src_len):
-                raise AssertionError(
-                    f"Expected key_padding_mask of shape {(bsz, src_len)} (batch, source length), got {tuple(kpm.shape)}"
-                )
-            key_padding_mask = kpm
+        key_padding_mask, attn_mask, is_causal = _normalize_masks(
+            key_padding_mask, attn_mask, query.dtype, need_weights, is_causal
+        )
+        layout = _Layout.of(query, key, is_batched, self.batch_first)
+        key_padding_mask = layout.batched_padding_mask(key_padding_mask)
 
         q, k, v = self._project(query, key, value)
+        q = self._heads(q, layout, layout.tgt_len)
+        k, v = self._heads(k, layout, layout.src_len), self._heads(v, layout, layout.src_len)
+        mask = self._combined_mask(attn_mask, key_padding_mask, layout, q.dtype)
+        context, weights = self._attend(q, k, v, mask, need_weights, average_attn_weights, is_causal)
+        if weights is not None and not is_batched:
+            weights = weights.squeeze(0)
 
-        def heads(x: Tensor, length: int) -> Tensor:  # -> [N, local heads, length, head_dim]
-            if batch_dim is None:
-                x = x.unsqueeze(0)
-            elif batch_dim == 1:
-                x = x.transpose(0, 1)
-            return x.reshape(bsz, length, self.num_local_heads, self.head_dim).transpose(1, 2)
+        # [N, local heads, L, head_dim] -> input layout with the local features last
+        context = context.transpose(1, 2).reshape(layout.bsz, layout.tgt_len, self.local_embed_dim)
+        if layout.batch_dim is None:
+            context = context.squeeze(0)
+        elif layout.batch_dim == 1:
+            context = context.transpose(0, 1)
+        out = self.out_proj(context)
+        if isinstance(out, tuple):
+            raise RuntimeError("TensorParallelMultiheadAttention needs out_proj with skip_bias_add=False")
+        return out, weights
 
-        q, k, v = heads(q, tgt_len), heads(k, src_len), heads(v, src_len)
+    def _heads(self, x: Tensor, layout: "_Layout", length: int) -> Tensor:
+        """A projection in the input layout -> ``[N, local heads, length, head_dim]``."""
+        if layout.batch_dim is None:
+            x = x.unsqueeze(0)
+        elif layout.batch_dim == 1:
+            x = x.transpose(0, 1)
+        return x.reshape(layout.bsz, length, self.num_local_heads, self.head_dim).transpose(1, 2)
 
+    def _combined_mask(
+        self, attn_mask: Tensor | None, key_padding_mask: Tensor | None, layout: "_Layout", dtype: torch.dtype
+    ) -> Tensor | None:
+        """One additive mask ``[N or 1, local heads or 1, L, S]`` from the attention and padding masks."""
+        tgt_len, src_len = layout.tgt_len, layout.src_len
         mask = None
         if attn_mask is not None:
             if attn_mask.dim() == 2:
@@ -387,15 +370,19 @@ class TensorParallelMultiheadAttention(nn.Module):
                     )
                 mask = attn_mask.view(1, 1, tgt_len, src_len)
             else:
-                mask = self._local_heads_of_3d_mask(attn_mask, bsz, tgt_len, src_len)
+                mask = self._local_heads_of_3d_mask(attn_mask, layout.bsz, tgt_len, src_len)
         if key_padding_mask is not None:
-            kpm = key_padding_mask.view(bsz, 1, 1, src_len)
+            kpm = key_padding_mask.view(layout.bsz, 1, 1, src_len)
             mask = kpm if mask is None else mask + kpm
-        if mask is not None and mask.dtype != q.dtype:  # e.g. q in bf16 under autocast
-            mask = mask.to(q.dtype)
+        if mask is not None and mask.dtype != dtype:  # e.g. q in bf16 under autocast
+            mask = mask.to(dtype)
+        return mask
 
+    def _attend(
+        self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, need_weights: bool, average: bool, is_causal: bool
+    ) -> tuple[Tensor, Tensor | None]:
+        """Attention of the local heads; the weights (gathered over TP) only when asked for."""
         dropout_p = self.dropout if self.training else 0.0
-        weights = None
         if need_weights:
             scores = (q * math.sqrt(1.0 / float(self.head_dim))) @ k.transpose(-2, -1)
             if mask is not None:
@@ -404,27 +391,11 @@ class TensorParallelMultiheadAttention(nn.Module):
             if dropout_p > 0.0:
                 with self._dropout_context():
                     probs = F.dropout(probs, p=dropout_p, training=True)
-            context = probs @ v
-            weights = self._gather_weights(probs, average_attn_weights)
-            if not is_batched:
-                weights = weights.squeeze(0)
-        else:
-            if dropout_p > 0.0:
-                with self._dropout_context():
-                    context = F.scaled_dot_product_attention(q, k, v, mask, dropout_p, is_causal)
-            else:
-                context = F.scaled_dot_product_attention(q, k, v, mask, 0.0, is_causal)
-
-        # [N, local heads, L, head_dim] -> input layout with the local features last
-        context = context.transpose(1, 2).reshape(bsz, tgt_len, self.local_embed_dim)
-        if batch_dim is None:
-            context = context.squeeze(0)
-        elif batch_dim == 1:
-            context = context.transpose(0, 1)
-        out = self.out_proj(context)
-        if isinstance(out, tuple):
-            raise RuntimeError("TensorParallelMultiheadAttention needs out_proj with skip_bias_add=False")
-        return out, weights
+            return probs @ v, self._gather_weights(probs, average)
+        if dropout_p > 0.0:
+            with self._dropout_context():
+                return F.scaled_dot_product_attention(q, k, v, mask, dropout_p, is_causal), None
+        return F.scaled_dot_product_attention(q, k, v, mask, 0.0, is_causal), None
 
     def _gather_weights(self, probs: Tensor, average: bool) -> Tensor:
         """Local per-head probabilities ``[N, H/tp, L, S]`` -> complete weights (differentiable)."""
@@ -437,6 +408,76 @@ class TensorParallelMultiheadAttention(nn.Module):
             return probs
         gathered = gather_from_tensor_parallel_region(probs.movedim(1, -1).contiguous(), self.group)
         return gathered.movedim(-1, 1)
+
+
+def _sharded_projections(mha: nn.MultiheadAttention, group: Any, input_copy: Any) -> tuple[nn.Module, nn.Module]:
+    """The packed q/k/v projection split by heads (column) and the output projection (row)."""
+    in_proj = ColumnParallelLinear.from_weight(
+        mha.in_proj_weight,
+        mha.in_proj_bias,
+        group=group,
+        gather_output=False,
+        packed_chunks=3,
+        input_copy=input_copy,
+    )
+    out_proj = RowParallelLinear.from_weight(
+        mha.out_proj.weight,
+        mha.out_proj.bias,
+        group=group,
+        input_is_parallel=True,
+    )
+    return in_proj, out_proj
+
+
+def _normalize_masks(
+    key_padding_mask: Tensor | None, attn_mask: Tensor | None, dtype: torch.dtype, need_weights: bool, is_causal: bool
+) -> tuple[Tensor | None, Tensor | None, bool]:
+    """Float masks as ``nn.MultiheadAttention`` makes them, and whether the causal hint still holds."""
+    key_padding_mask = _canonical_mask(key_padding_mask, "key_padding_mask", dtype)
+    if is_causal and attn_mask is None:
+        raise RuntimeError(
+            "Need attn_mask if specifying the is_causal hint. You may use the Transformer module method "
+            "`generate_square_subsequent_mask` to create this mask."
+        )
+    if is_causal and key_padding_mask is None and not need_weights:
+        attn_mask = None  # the hint alone drives scaled_dot_product_attention
+    else:
+        attn_mask = _canonical_mask(attn_mask, "attn_mask", dtype)
+        if key_padding_mask is not None:
+            is_causal = False  # merged with the padding mask, no longer causal
+    return key_padding_mask, attn_mask, is_causal
+
+
+class _Layout(NamedTuple):
+    """Where the batch sits in the inputs (``None``: unbatched) and the sizes read from them."""
+
+    batch_dim: int | None
+    bsz: int
+    tgt_len: int
+    src_len: int
+
+    @classmethod
+    def of(cls, query: Tensor, key: Tensor, is_batched: bool, batch_first: bool) -> "_Layout":
+        if not is_batched:
+            batch_dim, seq_dim = None, 0
+        elif batch_first:
+            batch_dim, seq_dim = 0, 1
+        else:
+            batch_dim, seq_dim = 1, 0
+        bsz = query.shape[batch_dim] if batch_dim is not None else 1
+        return cls(batch_dim, bsz, query.shape[seq_dim], key.shape[seq_dim])
+
+    def batched_padding_mask(self, key_padding_mask: Tensor | None) -> Tensor | None:
+        """``key_padding_mask`` as ``[N, S]`` (checked), ``None`` stays ``None``."""
+        if key_padding_mask is None:
+            return None
+        kpm = key_padding_mask if self.batch_dim is not None else key_padding_mask.unsqueeze(0)
+        if tuple(kpm.shape) != (self.bsz, self.src_len):
+            raise AssertionError(
+                f"Expected key_padding_mask of shape {(self.bsz, self.src_len)} (batch, source length), "
+                f"got {tuple(kpm.shape)}"
+            )
+        return kpm
 
 
 def _check_config(

@@ -514,19 +514,9 @@ def enable_sequence_parallel(
     TP are tagged (``param.sequence_parallel = True``); collect them with
     :func:`sequence_parallel_grad_params` after the pipeline cut.
     """
-    from megastrategy.layers.linear import ColumnParallelLinear, RowParallelLinear
-    from megastrategy.layers.random import TensorParallelRegionDropout
-    from megastrategy.layers.shard_spec import get_shard_spec
     from megastrategy.pipeline.stage import find_layer_stack
 
-    tp = group_world_size(tp_group)
-    validate_sequence_parallel(tp=tp, sequence_parallel=True)
-    plan_tp = getattr(plan, "tp_size", tp)
-    if plan_tp != tp:
-        raise MegatronConfigError(
-            f"enable_sequence_parallel: the plan was resolved for tp={plan_tp} but the tensor-parallel group has "
-            f"{tp} ranks."
-        )
+    _check_plan_matches_group(plan, group_world_size(tp_group))
     if getattr(module, "_megastrategy_sequence_parallel", None) is not None:
         return module._megastrategy_sequence_parallel
     path, stack = find_layer_stack(module, pipeline_layers)
@@ -534,142 +524,200 @@ def enable_sequence_parallel(
     known = _known_block(blocks[0])
     for b in blocks[1:]:
         _known_block(b)  # raises for unsupported blocks anywhere in the stack
+    _check_blocks_sharded(path, blocks)
+    setup = SequenceParallelSetup(
+        layout="residual" if known is not None else "norms",
+        sequence_dim=int(_default_sequence_dim(known, blocks[0]) if sequence_dim is None else sequence_dim),
+        stack_path=path,
+        block_type=type(blocks[0]).__name__,
+        num_blocks=len(blocks),
+    )
+    installer = _SequenceParallelInstaller(module, setup, tp_group, rng_tracker)
+    if setup.layout == "residual":
+        installer.residual_layout(blocks, known)
+    else:
+        installer.norms_layout(blocks)
+    module._megastrategy_sequence_parallel = setup
+    return setup
+
+
+def _check_plan_matches_group(plan: Any, tp: int) -> None:
+    validate_sequence_parallel(tp=tp, sequence_parallel=True)
+    plan_tp = getattr(plan, "tp_size", tp)
+    if plan_tp != tp:
+        raise MegatronConfigError(
+            f"enable_sequence_parallel: the plan was resolved for tp={plan_tp} but the tensor-parallel group has "
+            f"{tp} ranks."
+        )
+
+
+def _check_blocks_sharded(path: str, blocks: list[nn.Module]) -> None:
+    from megastrategy.layers.linear import ColumnParallelLinear, RowParallelLinear
+
     if not any(isinstance(m, (ColumnParallelLinear, RowParallelLinear)) for b in blocks for m in b.modules()):
         raise MegatronConfigError(
             f"sequence_parallel=True: no column/row-parallel layer in the blocks of {path} "
             f"({type(blocks[0]).__name__}); sequence parallelism needs the tensor-parallel plan to shard the blocks."
         )
-    if sequence_dim is None:
-        sequence_dim = 1
-        if known is not None and known.arch == "torch":
-            attn = blocks[0].self_attn
-            sequence_dim = 1 if getattr(attn, "batch_first", False) else 0
-    setup = SequenceParallelSetup(
-        layout="residual" if known is not None else "norms",
-        sequence_dim=int(sequence_dim),
-        stack_path=path,
-        block_type=type(blocks[0]).__name__,
-        num_blocks=len(blocks),
-    )
-    dim = setup.sequence_dim
-    names = {id(m): n for n, m in module.named_modules()}
 
-    def name_of(m: nn.Module) -> str:
-        return names.get(id(m), type(m).__name__)
 
-    def tag(p: nn.Parameter) -> None:
+def _default_sequence_dim(known: Optional[_KnownBlock], first: nn.Module) -> int:
+    """1 (``[batch, seq, hidden]``), except a ``nn.TransformerEncoderLayer`` that is not batch-first."""
+    if known is not None and known.arch == "torch":
+        return 1 if getattr(first.self_attn, "batch_first", False) else 0
+    return 1
+
+
+class _SequenceParallelInstaller:
+    """Sets the column/row layers of each block to sequence-parallel mode, installs the
+    scatter/gather hooks of one layout, and records all of it in ``setup``."""
+
+    def __init__(self, module: nn.Module, setup: SequenceParallelSetup, tp_group, rng_tracker: Any) -> None:
+        self.setup = setup
+        self.tp_group = tp_group
+        self.dim = setup.sequence_dim
+        self.rng_tracker = rng_tracker
+        self.names = {id(m): n for n, m in module.named_modules()}
+        self.param_names = {id(p): n for n, p in module.named_parameters()}
+        # one SharedSequenceGather per SharedInputCopy the plan created (layers fed one tensor)
+        self.shared: dict[int, SharedSequenceGather] = {}
+
+    def name_of(self, m: nn.Module) -> str:
+        return self.names.get(id(m), type(m).__name__)
+
+    def tag(self, p: nn.Parameter) -> None:
+        """Mark a replicated parameter used on the sequence slice: its gradient is summed over TP."""
+        from megastrategy.layers.shard_spec import get_shard_spec
+
         if p.requires_grad and get_shard_spec(p) is None and not getattr(p, SP_PARAM_ATTR, False):
             setattr(p, SP_PARAM_ATTR, True)
-            setup.grad_params.append(name_of_param.get(id(p), "?"))
+            self.setup.grad_params.append(self.param_names.get(id(p), "?"))
 
-    name_of_param = {id(p): n for n, p in module.named_parameters()}
-
-    # one SharedSequenceGather per SharedInputCopy the plan created (layers fed one tensor)
-    shared: dict[int, SharedSequenceGather] = {}
-
-    def column_gather(layer: ColumnParallelLinear):
+    def column_gather(self, layer: nn.Module):
         ic = layer.input_copy
         if isinstance(ic, SharedInputCopy):
-            if id(ic) not in shared:
-                shared[id(ic)] = SharedSequenceGather(tp_group, dim)
-            return shared[id(ic)]
+            if id(ic) not in self.shared:
+                self.shared[id(ic)] = SharedSequenceGather(self.tp_group, self.dim)
+            return self.shared[id(ic)]
         if isinstance(ic, (SharedSequenceGather, PreGatheredInput)):
             return ic
         if ic is not None:
             raise MegatronConfigError(
-                f"sequence_parallel=True: {name_of(layer)} has a custom input_copy ({ic!r}); cannot make it gather "
-                "the sequence."
+                f"sequence_parallel=True: {self.name_of(layer)} has a custom input_copy ({ic!r}); cannot make it "
+                "gather the sequence."
             )
         return None
 
-    if setup.layout == "residual":
+    # -- residual layout: the hidden states stay split between blocks ------------------------
+    def residual_layout(self, blocks: list[nn.Module], known: _KnownBlock) -> None:
         for b in blocks:
-            owners: list[nn.Module] = []
-            for opath in known.owners:
-                owner = _get(b, opath)
-                if owner is None:
-                    raise MegatronConfigError(
-                        f"sequence_parallel=True: {name_of(b)} ({type(b).__name__}) has no {opath!r} module."
-                    )
-                if not any(isinstance(m, ColumnParallelLinear) for m in owner.modules()) or not any(
-                    isinstance(m, RowParallelLinear) for m in b.modules()
-                ):
-                    raise MegatronConfigError(
-                        f"sequence_parallel=True: the attention of {name_of(b)} ({type(owner).__name__}) is not "
-                        "tensor-parallel (no column-parallel projections, or no row-parallel output projection); "
-                        "shard it (tp_plan 'auto', or column/row entries for its projections) or use "
-                        "sequence_parallel=False."
-                    )
-                owners.append(owner)
-                setup.handles.append(owner.register_forward_pre_hook(_OwnerGather(tp_group, dim), with_kwargs=True))
-                setup.gathered_modules.append(name_of(owner))
-            in_owner = {id(m) for o in owners for m in o.modules()}
-            for m in b.modules():
-                if isinstance(m, ColumnParallelLinear):
-                    m.sequence_parallel, m.sequence_dim = True, dim
-                    m.input_copy = PRE_GATHERED if id(m) in in_owner else column_gather(m)
-                    setup.column_layers.append(name_of(m))
-                elif isinstance(m, RowParallelLinear):
-                    if not m.input_is_parallel:
-                        raise MegatronConfigError(
-                            f"sequence_parallel=True: {name_of(m)} is row-parallel with input_is_parallel=False; "
-                            "feed it the output of a column-parallel layer."
-                        )
-                    m.sequence_parallel, m.sequence_dim = True, dim
-                    setup.row_layers.append(name_of(m))
-                    if m.bias is not None:
-                        tag(m.bias)
-            # replicated parameters used on the sequence slice: everything but the attention modules
-            # (which run on the gathered sequence) and the sharded weights
-            for m in b.modules():
-                if id(m) in in_owner:
-                    continue
-                for p in m.parameters(recurse=False):
-                    tag(p)
+            self._residual_block(b, known)
         first, last = blocks[0], blocks[-1]
-        setup.handles.append(
-            first.register_forward_pre_hook(_StackScatter(tp_group, dim, name_of(first)), with_kwargs=True)
-        )
-        setup.handles.append(last.register_forward_hook(_StackGather(tp_group, dim)))
-    else:
+        scatter = _StackScatter(self.tp_group, self.dim, self.name_of(first))
+        self.setup.handles.append(first.register_forward_pre_hook(scatter, with_kwargs=True))
+        self.setup.handles.append(last.register_forward_hook(_StackGather(self.tp_group, self.dim)))
         for b in blocks:
-            norms = _norms_of(b)
-            if not norms:
-                raise _no_norm_error(name_of(b), b)
-            for n, norm in norms:
-                hook = _NormScatter(tp_group, dim, name_of(norm))
-                setup.handles.append(norm.register_forward_pre_hook(hook.pre))
-                setup.handles.append(norm.register_forward_hook(hook.post))
-                setup.split_norms.append(name_of(norm))
-                for p in norm.parameters():
-                    tag(p)
+            self._dropouts_to_tp_stream(b)
+
+    def _residual_block(self, b: nn.Module, known: _KnownBlock) -> None:
+        from megastrategy.layers.linear import ColumnParallelLinear, RowParallelLinear
+
+        owners = [self._gathering_owner(b, opath) for opath in known.owners]
+        in_owner = {id(m) for o in owners for m in o.modules()}
+        for m in b.modules():
+            if isinstance(m, ColumnParallelLinear):
+                m.sequence_parallel, m.sequence_dim = True, self.dim
+                m.input_copy = PRE_GATHERED if id(m) in in_owner else self.column_gather(m)
+                self.setup.column_layers.append(self.name_of(m))
+            elif isinstance(m, RowParallelLinear):
+                self._row_layer(m)
+        # replicated parameters used on the sequence slice: everything but the attention modules
+        # (which run on the gathered sequence) and the sharded weights
+        for m in b.modules():
+            if id(m) in in_owner:
+                continue
+            for p in m.parameters(recurse=False):
+                self.tag(p)
+
+    def _gathering_owner(self, b: nn.Module, opath: str) -> nn.Module:
+        """The attention module at ``opath`` of block ``b``, hooked to gather its input."""
+        from megastrategy.layers.linear import ColumnParallelLinear, RowParallelLinear
+
+        owner = _get(b, opath)
+        if owner is None:
+            raise MegatronConfigError(
+                f"sequence_parallel=True: {self.name_of(b)} ({type(b).__name__}) has no {opath!r} module."
+            )
+        if not any(isinstance(m, ColumnParallelLinear) for m in owner.modules()) or not any(
+            isinstance(m, RowParallelLinear) for m in b.modules()
+        ):
+            raise MegatronConfigError(
+                f"sequence_parallel=True: the attention of {self.name_of(b)} ({type(owner).__name__}) is not "
+                "tensor-parallel (no column-parallel projections, or no row-parallel output projection); "
+                "shard it (tp_plan 'auto', or column/row entries for its projections) or use "
+                "sequence_parallel=False."
+            )
+        gather = _OwnerGather(self.tp_group, self.dim)
+        self.setup.handles.append(owner.register_forward_pre_hook(gather, with_kwargs=True))
+        self.setup.gathered_modules.append(self.name_of(owner))
+        return owner
+
+    def _row_layer(self, m: nn.Module) -> None:
+        if not m.input_is_parallel:
+            raise MegatronConfigError(
+                f"sequence_parallel=True: {self.name_of(m)} is row-parallel with input_is_parallel=False; "
+                "feed it the output of a column-parallel layer."
+            )
+        m.sequence_parallel, m.sequence_dim = True, self.dim
+        self.setup.row_layers.append(self.name_of(m))
+        if m.bias is not None:
+            self.tag(m.bias)
+
+    def _dropouts_to_tp_stream(self, b: nn.Module) -> None:
+        """Dropout on split (or TP-sharded) activations draws from the per-TP-rank stream."""
+        from megastrategy.layers.random import TensorParallelRegionDropout
+
+        for parent in list(b.modules()):
+            for attr, child in list(parent._modules.items()):
+                if child is None or not _is_dropout(child) or isinstance(child, TensorParallelRegionDropout):
+                    continue
+                if self.rng_tracker is None:
+                    raise MegatronConfigError(
+                        f"sequence_parallel=True: {self.name_of(child)} is a dropout on sequence-split activations "
+                        "and needs the per-TP-rank stream; pass rng_tracker=ModelParallelRNGTracker(...)."
+                    )
+                new = TensorParallelRegionDropout.from_dropout(child, self.rng_tracker)
+                setattr(parent, attr, new)
+                self.setup.tp_stream_dropouts.append(self.name_of(child))
+
+    # -- norms layout: only the norms run on a sequence slice ---------------------------------
+    def norms_layout(self, blocks: list[nn.Module]) -> None:
+        from megastrategy.layers.linear import ColumnParallelLinear
+
+        for b in blocks:
+            self._split_norms(b)
             for m in b.modules():
                 if isinstance(m, ColumnParallelLinear):
-                    m.sequence_parallel, m.sequence_dim = True, dim
-                    m.input_copy = column_gather(m)
-                    setup.column_layers.append(name_of(m))
-                    setup.handles.append(m.register_forward_pre_hook(_ColumnInputCheck(name_of(m), name_of(b))))
-            setup.handles.append(
-                b.register_forward_hook(_BlockShapeCheck(dim, name_of(b)), with_kwargs=True)
-            )
+                    m.sequence_parallel, m.sequence_dim = True, self.dim
+                    m.input_copy = self.column_gather(m)
+                    self.setup.column_layers.append(self.name_of(m))
+                    self.setup.handles.append(
+                        m.register_forward_pre_hook(_ColumnInputCheck(self.name_of(m), self.name_of(b)))
+                    )
+            shape_check = _BlockShapeCheck(self.dim, self.name_of(b))
+            self.setup.handles.append(b.register_forward_hook(shape_check, with_kwargs=True))
 
-    if setup.layout == "residual":
-        # dropout on split (or TP-sharded) activations: per-TP-rank stream
-        for b in blocks:
-            for parent in list(b.modules()):
-                for attr, child in list(parent._modules.items()):
-                    if child is None or not _is_dropout(child) or isinstance(child, TensorParallelRegionDropout):
-                        continue
-                    if rng_tracker is None:
-                        raise MegatronConfigError(
-                            f"sequence_parallel=True: {name_of(child)} is a dropout on sequence-split activations and "
-                            "needs the per-TP-rank stream; pass rng_tracker=ModelParallelRNGTracker(...)."
-                        )
-                    new = TensorParallelRegionDropout.from_dropout(child, rng_tracker)
-                    setattr(parent, attr, new)
-                    setup.tp_stream_dropouts.append(name_of(child))
-    module._megastrategy_sequence_parallel = setup
-    return setup
+    def _split_norms(self, b: nn.Module) -> None:
+        norms = _norms_of(b)
+        if not norms:
+            raise _no_norm_error(self.name_of(b), b)
+        for _, norm in norms:
+            hook = _NormScatter(self.tp_group, self.dim, self.name_of(norm))
+            self.setup.handles.append(norm.register_forward_pre_hook(hook.pre))
+            self.setup.handles.append(norm.register_forward_hook(hook.post))
+            self.setup.split_norms.append(self.name_of(norm))
+            for p in norm.parameters():
+                self.tag(p)
 
 
 # ----------------------------------------------------------------------------------------

@@ -433,6 +433,35 @@ def convert_to_te(
         sequence_parallel: the strategy's setting, checked against the layers.
         fuse_layernorm: ``True`` is refused (see the module docstring).
     """
+    _check_arguments(module, tp_group, tp_size, sequence_parallel, fuse_layernorm)
+    candidates = [(n, m) for n, m in module.named_modules() if isinstance(m, (ColumnParallelLinear, RowParallelLinear))]
+    report = TEConversionReport(tp_size=tp_size, layernorm_fusion=_NO_FUSION if candidates else "")
+    if not candidates:
+        return report
+    _check_layers(candidates, tp_size, sequence_parallel)
+    holders: dict[int, list[str]] = {}
+    for pn, p in module.named_parameters(remove_duplicate=False):
+        holders.setdefault(id(p), []).append(pn)
+    sites = _holding_sites(module)
+    paths: dict[int, set[str]] = {}
+    for n, x in module.named_modules(remove_duplicate=False):
+        paths.setdefault(id(x), set()).add(n)
+    decisions = [(n, m, *_decide(m, holders, paths[id(m)])) for n, m in candidates]
+    for n, m, mode, _ in decisions:
+        if mode != "keep":
+            for pname, p in m.named_parameters(recurse=False):
+                _check_param_state(join_name(n, pname), p)
+
+    te = import_transformer_engine() if any(d[2] != "keep" for d in decisions) else None
+    for n, m, mode, text in decisions:
+        if mode == "keep":
+            report.kept.append(KeptLayer(n, type(m).__name__, text))
+        else:
+            report.converted.append(_convert_layer(te, n, m, mode, text, tp_group, tp_size, sites))
+    return report
+
+
+def _check_arguments(module: Any, tp_group, tp_size: Any, sequence_parallel: bool, fuse_layernorm: bool) -> None:
     if not isinstance(module, nn.Module):
         raise MegatronConfigError(f"convert_to_te needs an nn.Module, got {type(module).__name__}.")
     if isinstance(tp_size, bool) or not isinstance(tp_size, int) or tp_size < 1:
@@ -456,11 +485,9 @@ def convert_to_te(
             "use sequence_parallel=False."
         )
 
-    candidates = [(n, m) for n, m in module.named_modules() if isinstance(m, (ColumnParallelLinear, RowParallelLinear))]
-    report = TEConversionReport(tp_size=tp_size, layernorm_fusion=_NO_FUSION if candidates else "")
-    if not candidates:
-        return report
 
+def _check_layers(candidates: list[tuple[str, nn.Module]], tp_size: int, sequence_parallel: bool) -> None:
+    """Every layer was built for ``tp_size`` and runs sequence parallel exactly when the strategy does."""
     for n, m in candidates:
         if m.tp_size != tp_size:
             raise MegatronConfigError(
@@ -479,51 +506,38 @@ def convert_to_te(
             "enable_sequence_parallel(...) before convert_to_te, which converts each layer as it is configured."
         )
 
-    holders: dict[int, list[str]] = {}
-    for pn, p in module.named_parameters(remove_duplicate=False):
-        holders.setdefault(id(p), []).append(pn)
+
+def _holding_sites(module: nn.Module) -> dict[int, list[tuple[nn.Module, str]]]:
+    """Every (parent, attribute) that holds each module object, so shared layers are all replaced."""
     sites: dict[int, list[tuple[nn.Module, str]]] = {}
     for parent in {id(x): x for x in module.modules()}.values():
         for attr, child in parent._modules.items():
             if child is not None:
                 sites.setdefault(id(child), []).append((parent, attr))
+    return sites
 
-    paths: dict[int, set[str]] = {}
-    for n, x in module.named_modules(remove_duplicate=False):
-        paths.setdefault(id(x), set()).add(n)
-    decisions = [(n, m, *_decide(m, holders, paths[id(m)])) for n, m in candidates]
-    for n, m, mode, _ in decisions:
-        if mode != "keep":
-            for pname, p in m.named_parameters(recurse=False):
-                _check_param_state(join_name(n, pname), p)
 
-    te = import_transformer_engine() if any(d[2] != "keep" for d in decisions) else None
-    for n, m, mode, text in decisions:
-        if mode == "keep":
-            report.kept.append(KeptLayer(n, type(m).__name__, text))
-            continue
-        new = _build(te, m, mode, tp_group, tp_size)
-        _carry_parameter(join_name(n, "weight"), m.weight, new.weight)
-        if m.bias is not None:
-            _carry_parameter(join_name(n, "bias"), m.bias, new.bias)
-        new.train(m.training)
-        moved = _move_forward_hooks(m, new)
-        if mode == "local":
-            # after the moved pre-hooks: they ran before the torch layer's forward body did this
-            new.register_forward_pre_hook(
-                TorchColumnInput(m.group, m.input_copy, m.sequence_parallel, m.sequence_dim)
-            )
-        for parent, attr in sites.get(id(m), []):
-            setattr(parent, attr, new)
-        detail = text + (f"; {moved} forward hook(s) moved" if moved else "")
-        report.converted.append(
-            ConvertedLayer(
-                name=n,
-                torch_type=type(m).__name__,
-                te_type=type(new).__name__,
-                parallel_mode=None if mode == "local" else mode,
-                sequence_parallel=bool(m.sequence_parallel),
-                detail=detail,
-            )
-        )
-    return report
+def _convert_layer(
+    te, n: str, m: nn.Module, mode: str, text: str, tp_group, tp_size: int, sites: dict
+) -> ConvertedLayer:
+    """Build the TE layer for ``m``, carry its parameters and hooks over, and put it in its place."""
+    new = _build(te, m, mode, tp_group, tp_size)
+    _carry_parameter(join_name(n, "weight"), m.weight, new.weight)
+    if m.bias is not None:
+        _carry_parameter(join_name(n, "bias"), m.bias, new.bias)
+    new.train(m.training)
+    moved = _move_forward_hooks(m, new)
+    if mode == "local":
+        # after the moved pre-hooks: they ran before the torch layer's forward body did this
+        new.register_forward_pre_hook(TorchColumnInput(m.group, m.input_copy, m.sequence_parallel, m.sequence_dim))
+    for parent, attr in sites.get(id(m), []):
+        setattr(parent, attr, new)
+    detail = text + (f"; {moved} forward hook(s) moved" if moved else "")
+    return ConvertedLayer(
+        name=n,
+        torch_type=type(m).__name__,
+        te_type=type(new).__name__,
+        parallel_mode=None if mode == "local" else mode,
+        sequence_parallel=bool(m.sequence_parallel),
+        detail=detail,
+    )

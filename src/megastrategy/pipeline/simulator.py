@@ -88,6 +88,26 @@ def simulate_steps(
     for name, value in (("forward_time", forward_time), ("backward_time", backward_time), ("p2p_time", p2p_time)):
         if value < 0:
             raise MegatronConfigError(f"{name}={value} must be >= 0.")
+    orders = _parse_orders(steps_per_rank, vp_size)
+    sim = _Simulation(orders, vp_size, forward_time, backward_time, p2p_time)
+    sim.run()
+
+    makespan = max(sim.free_at) if pp_size else 0.0
+    busy = [sum(t.end - t.start for t in row) for row in sim.timeline]
+    idle = [makespan - b for b in busy]
+    bubble = sum(idle) / (pp_size * makespan) if makespan > 0 else 0.0
+    peaks = [_peak_in_flight(order) for order in orders]
+    if num_microbatches is None:
+        num_microbatches = len({s.microbatch for o in orders for s in o})
+    return ScheduleStats(
+        num_microbatches, pp_size, vp_size, group_size, makespan, busy, idle, bubble, peaks, sim.timeline
+    )
+
+
+def _parse_orders(
+    steps_per_rank: Sequence[Sequence[ScheduleStep | tuple[bool, int, int]]], vp_size: int
+) -> list[list[ScheduleStep]]:
+    """Steps as :class:`ScheduleStep`; a chunk out of range or a step run twice is an error."""
     orders = [[ScheduleStep(*s) for s in steps] for steps in steps_per_rank]
     for rank, order in enumerate(orders):
         seen = set()
@@ -97,72 +117,89 @@ def simulate_steps(
             if step in seen:
                 raise MegatronConfigError(f"rank {rank} runs step {step} twice.")
             seen.add(step)
-    num_stages = pp_size * vp_size
+    return orders
 
-    done: dict[tuple[bool, int, int], float] = {}  # (is_forward, stage, microbatch) -> end time
-    position = [0] * pp_size
-    free_at = [0.0] * pp_size
-    timeline: list[list[StepTiming]] = [[] for _ in range(pp_size)]
 
-    def dependencies(rank: int, step: ScheduleStep) -> list[tuple[tuple[bool, int, int], bool]]:
+def _peak_in_flight(order: Sequence[ScheduleStep]) -> int:
+    """Most microbatches whose forward ran and backward did not yet (activations held)."""
+    live = peak = 0
+    for step in order:
+        live += 1 if step.is_forward else -1
+        peak = max(peak, live)
+    return peak
+
+
+#: a finished step: (is_forward, stage, microbatch)
+_Key = tuple[bool, int, int]
+
+
+class _Simulation:
+    """Event-free simulation state: when each finished step ended and where each rank is."""
+
+    def __init__(
+        self, orders: list[list[ScheduleStep]], vp_size: int, forward_time: float, backward_time: float, p2p_time: float
+    ) -> None:
+        self.orders = orders
+        self.pp_size = len(orders)
+        self.num_stages = self.pp_size * vp_size
+        self.forward_time, self.backward_time, self.p2p_time = forward_time, backward_time, p2p_time
+        self.done: dict[_Key, float] = {}  # -> end time
+        self.position = [0] * self.pp_size
+        self.free_at = [0.0] * self.pp_size
+        self.timeline: list[list[StepTiming]] = [[] for _ in range(self.pp_size)]
+
+    def dependencies(self, rank: int, step: ScheduleStep) -> list[tuple[_Key, bool]]:
         """(key, crosses_ranks) pairs the step waits for."""
+        pp_size = self.pp_size
         s = _stage(rank, step.chunk, pp_size)
         if step.is_forward:
             if s == 0:
                 return []
             return [((True, s - 1, step.microbatch), (s - 1) % pp_size != rank)]
         deps = [((True, s, step.microbatch), False)]
-        if s < num_stages - 1:
+        if s < self.num_stages - 1:
             deps.append(((False, s + 1, step.microbatch), (s + 1) % pp_size != rank))
         return deps
 
-    remaining = sum(len(o) for o in orders)
-    while remaining:
-        progressed = False
-        for rank, order in enumerate(orders):
-            while position[rank] < len(order):
-                step = order[position[rank]]
-                deps = dependencies(rank, step)
-                if any(key not in done for key, _ in deps):
-                    break
-                start = max([free_at[rank]] + [done[key] + (p2p_time if cross else 0.0) for key, cross in deps])
-                end = start + (forward_time if step.is_forward else backward_time)
-                done[(step.is_forward, _stage(rank, step.chunk, pp_size), step.microbatch)] = end
-                timeline[rank].append(StepTiming(rank, position[rank], *step, start, end))
-                free_at[rank] = end
-                position[rank] += 1
-                remaining -= 1
-                progressed = True
-        if not progressed:
-            stuck = []
-            for rank, order in enumerate(orders):
-                if position[rank] < len(order):
-                    step = order[position[rank]]
-                    waits = [k for k, _ in dependencies(rank, step) if k not in done]
-                    desc = ", ".join(
-                        f"{'forward' if f else 'backward'} of stage {s} "
-                        f"(rank {s % pp_size}, chunk {s // pp_size}) mb {m}"
-                        for f, s, m in waits
-                    )
-                    stuck.append(f"rank {rank} step {position[rank]} {step} waits for {desc}")
-            raise PipelineDeadlockError("pipeline schedule deadlocks: " + "; ".join(stuck))
+    def run(self) -> None:
+        remaining = sum(len(o) for o in self.orders)
+        while remaining:
+            progressed = sum(self._advance(rank) for rank in range(self.pp_size))
+            if not progressed:
+                raise self._deadlock()
+            remaining -= progressed
 
-    makespan = max(free_at) if pp_size else 0.0
-    busy = [sum(t.end - t.start for t in row) for row in timeline]
-    idle = [makespan - b for b in busy]
-    bubble = sum(idle) / (pp_size * makespan) if makespan > 0 else 0.0
-    peaks = []
-    for order in orders:
-        live = peak = 0
-        for step in order:
-            live += 1 if step.is_forward else -1
-            peak = max(peak, live)
-        peaks.append(peak)
-    if num_microbatches is None:
-        num_microbatches = len({s.microbatch for o in orders for s in o})
-    return ScheduleStats(
-        num_microbatches, pp_size, vp_size, group_size, makespan, busy, idle, bubble, peaks, timeline
-    )
+    def _advance(self, rank: int) -> int:
+        """Run ``rank``'s next steps while their dependencies are done; how many ran."""
+        order, ran = self.orders[rank], 0
+        while self.position[rank] < len(order):
+            step = order[self.position[rank]]
+            deps = self.dependencies(rank, step)
+            if any(key not in self.done for key, _ in deps):
+                break
+            arrivals = [self.done[key] + (self.p2p_time if cross else 0.0) for key, cross in deps]
+            start = max([self.free_at[rank]] + arrivals)
+            end = start + (self.forward_time if step.is_forward else self.backward_time)
+            self.done[(step.is_forward, _stage(rank, step.chunk, self.pp_size), step.microbatch)] = end
+            self.timeline[rank].append(StepTiming(rank, self.position[rank], *step, start, end))
+            self.free_at[rank] = end
+            self.position[rank] += 1
+            ran += 1
+        return ran
+
+    def _deadlock(self) -> PipelineDeadlockError:
+        stuck = []
+        for rank, order in enumerate(self.orders):
+            if self.position[rank] < len(order):
+                step = order[self.position[rank]]
+                waits = [k for k, _ in self.dependencies(rank, step) if k not in self.done]
+                desc = ", ".join(
+                    f"{'forward' if f else 'backward'} of stage {s} "
+                    f"(rank {s % self.pp_size}, chunk {s // self.pp_size}) mb {m}"
+                    for f, s, m in waits
+                )
+                stuck.append(f"rank {rank} step {self.position[rank]} {step} waits for {desc}")
+        return PipelineDeadlockError("pipeline schedule deadlocks: " + "; ".join(stuck))
 
 
 def simulate_schedule(

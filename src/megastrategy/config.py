@@ -22,7 +22,7 @@ from megastrategy.layers.fp8 import validate_fp8
 from megastrategy.layers.recompute import validate_recompute_mode
 from megastrategy.layers.sequence_parallel import validate_sequence_parallel
 from megastrategy.layers.te_backend import BACKENDS
-from megastrategy.parallel_state import DEFAULT_ORDER
+from megastrategy.parallel_state import DEFAULT_ORDER, ParallelLayout
 
 __all__ = ["MegatronConfig", "CONSTRUCTOR_RULES", "Rule", "split_strategy_arguments"]
 
@@ -184,6 +184,11 @@ class MegatronConfig:
         """Broadcast each batch within a model replica: asked for explicitly, or whenever the replica
         spans several ranks (``tp``, ``cp`` or ``pp`` > 1)."""
         return self.broadcast_batch if self.broadcast_batch is not None else self.tp * self.cp * self.pp > 1
+
+    def layout(self, world_size: int) -> ParallelLayout:
+        """The rank grid for ``world_size`` processes (raises if the sizes do not fit it)."""
+        return ParallelLayout(world_size=world_size, tp=self.tp, pp=self.pp, cp=self.cp, ep=self.ep, etp=self.etp,
+                              vp=self.vp, order=self.order)
 
     @property
     def vp_size(self) -> int:

@@ -112,6 +112,11 @@ class ParallelLayout:
     dp: int = field(init=False)
     edp: int = field(init=False)
 
+    def summary(self) -> str:
+        """One line for the log: how the world is divided."""
+        return (f"megastrategy: {self.world_size} processes as tp={self.tp} pp={self.pp} dp={self.dp} cp={self.cp} "
+                f"ep={self.ep} (order {self.order})")
+
     def __post_init__(self) -> None:
         for name in ("world_size", "tp", "pp", "cp", "ep", "etp"):
             value = getattr(self, name)

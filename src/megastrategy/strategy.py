@@ -13,10 +13,9 @@ from __future__ import annotations
 
 import logging
 from contextlib import ExitStack
-from typing import TYPE_CHECKING, Any, Callable, Optional, TypeVar, Union
+from typing import TYPE_CHECKING, Any, Callable, Optional, TypeVar
 
 import torch
-import torch.distributed as dist
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer.states import TrainerFn
@@ -25,12 +24,14 @@ from torch import nn
 from megastrategy import all_components as parts
 from megastrategy.checkpoint.dcp_io import remove_checkpoint_dir
 from megastrategy.component import Component, Environment, SetupContext
+from megastrategy.component_list import ComponentList
 from megastrategy.config import MegatronConfig, split_strategy_arguments
 from megastrategy.parallel_state import ParallelLayout, ParallelState
 from megastrategy.pipeline.step_runner import StepRunner
 from megastrategy.rank_zero import log_on_rank_zero
 from megastrategy.precision import adopt_precision_plugin, loss_scaler
-from megastrategy.replicas import agree_everywhere, broadcast_module_states, reduce_over, set_metric_process_group
+from megastrategy.replica_collectives import ReplicaCollectives
+from megastrategy.replicas import broadcast_module_states, set_metric_process_group
 from megastrategy.signature import passthrough_arguments, signature_from
 
 if TYPE_CHECKING:
@@ -41,7 +42,7 @@ C = TypeVar("C", bound=Component)
 _LIGHTNING_ARGUMENTS = set(passthrough_arguments(DDPStrategy.__init__, MegatronConfig))
 
 
-class MegatronStrategy(DDPStrategy):
+class MegatronStrategy(ReplicaCollectives, DDPStrategy):
     """Tensor, pipeline, data and expert parallelism for an existing ``LightningModule``.
 
     Takes every field of :class:`~megastrategy.config.MegatronConfig` as a keyword (``tp``,
@@ -60,7 +61,7 @@ class MegatronStrategy(DDPStrategy):
         self.layout: Optional[ParallelLayout] = None
         self.parallel_state: Optional[ParallelState] = None
         self.grad_buffers, self.checkpoints = parts.GradientBuffers(self.config), parts.Checkpoints()
-        self.components = [c for c in self.build_components(self.config) if c.enabled]
+        self.components = ComponentList(self.build_components(self.config))
         self._ctx: Optional[SetupContext] = None
         self._runner: Optional[StepRunner] = None
         self._model_validated = False
@@ -83,19 +84,13 @@ class MegatronStrategy(DDPStrategy):
             self.checkpoints,
         ]
 
-    def _each(self, hook: str, *args: Any) -> None:
-        for c in self.components:
-            getattr(c, hook)(*args)
-
     def component(self, kind: type[C]) -> Optional[C]:
         """The component of type ``kind`` in use, if any."""
-        return next((c for c in self.components if isinstance(c, kind)), None)
+        return self.components.find(kind)
 
     # ------------------------------------------------------------------ layout, groups
     def _make_layout(self) -> ParallelLayout:
-        c = self.config
-        world = self.num_nodes * self.num_processes
-        return ParallelLayout(world_size=world, tp=c.tp, pp=c.pp, cp=c.cp, ep=c.ep, etp=c.etp, vp=c.vp, order=c.order)
+        return self.config.layout(self.num_nodes * self.num_processes)
 
     def _configure_launcher(self) -> None:
         # The earliest point where the world size is known, in the launching process:
@@ -105,20 +100,18 @@ class MegatronStrategy(DDPStrategy):
 
     def setup_environment(self) -> None:
         self.layout = self._make_layout()
-        self._each("check_device", self.root_device)
+        self.components.each("check_device", self.root_device)
         self._validate_model()  # model errors also come before the first collective
         super().setup_environment()  # default process group
         if self.parallel_state is None or self.parallel_state.layout != self.layout:
             self.parallel_state = ParallelState(
                 self.layout, self.global_rank, backend=self._process_group_backend, timeout=self._timeout
             )
-        lay = self.layout
-        log_on_rank_zero(log, logging.INFO, f"megastrategy: {lay.world_size} processes as tp={lay.tp} pp={lay.pp} "
-                         f"dp={lay.dp} cp={lay.cp} ep={lay.ep} (order {lay.order})")
+        log_on_rank_zero(log, logging.INFO, self.layout.summary())
         log.debug(self.parallel_state.describe())  # this rank's coordinates
         env = Environment(self.config, self.layout, self.parallel_state, self.global_rank, self.world_size,
                           self.root_device)
-        self._each("on_environment", env)
+        self.components.each("on_environment", env)
 
     def _validate_model(self) -> None:
         module = self.lightning_module
@@ -126,7 +119,7 @@ class MegatronStrategy(DDPStrategy):
             return
         if not any(True for _ in module.parameters()):
             return  # built in configure_model(); validated in setup()
-        self._each("validate", module, self.layout)
+        self.components.each("validate", module, self.layout)
         self._model_validated = True
 
     @property
@@ -151,9 +144,9 @@ class MegatronStrategy(DDPStrategy):
         if self._ctx is None or not sharded:
             self._ctx = SetupContext.create(self.config, ps, self.root_device, module)
         self._ctx.precision_plugin = self.precision_plugin
-        self._each("configure", self._ctx)
+        self.components.each("configure", self._ctx)
         if not sharded:
-            self._each("apply", module, self._ctx)
+            self.components.each("apply", module, self._ctx)
             module._megastrategy_sharded = True
             set_metric_process_group(module, ps.dp_group)
         if self._runner is None or not sharded:
@@ -170,10 +163,9 @@ class MegatronStrategy(DDPStrategy):
 
     def _setup_gradients(self, trainer: "pl.Trainer", module: nn.Module) -> None:
         self._ctx.grad_buffers.clear()
-        self._each("on_fit_setup", module, self._ctx)
+        self.components.each("on_fit_setup", module, self._ctx)
         self.setup_optimizers(trainer)
-        for c in self.components:
-            self.optimizers = c.wrap_optimizers(self.optimizers)
+        self.optimizers = self.components.chain("wrap_optimizers", self.optimizers)
 
     def configure_ddp(self) -> None:
         """No DistributedDataParallel wrapper: the gradient buffer does data parallelism."""
@@ -219,13 +211,12 @@ class MegatronStrategy(DDPStrategy):
         dataloader = super().process_dataloader(dataloader)
         trainer = self.lightning_module.trainer if self.lightning_module is not None else None
         if trainer is not None and trainer.state.fn == TrainerFn.FITTING and trainer.training:
-            for c in self.components:
-                dataloader = c.on_train_loader(dataloader, trainer)
+            dataloader = self.components.chain("on_train_loader", dataloader, trainer)
         return dataloader
 
     def on_train_start(self) -> None:
         super().on_train_start()
-        self._each("on_train_start")
+        self.components.each("on_train_start")
 
     def batch_to_device(self, batch: Any, device: Optional[torch.device] = None, dataloader_idx: int = 0) -> Any:
         # The first per-batch call Lightning makes: the right moment to say what this rank is doing.
@@ -235,48 +226,27 @@ class MegatronStrategy(DDPStrategy):
             self._doing(f"{what} step {trainer.global_step}")
         batch = super().batch_to_device(batch, device, dataloader_idx)
         if self.parallel_state is not None:
-            for c in self.components:
-                batch = c.on_batch(batch, device or self.root_device)
+            batch = self.components.chain("on_batch", batch, device or self.root_device)
         return batch
 
     def _doing(self, text: str) -> None:  # what this rank is doing, for failure reports
-        self._each("on_activity", text)
+        self.components.each("on_activity", text)
 
     # ------------------------------------------------------------------ optimization
     def optimizer_step(self, optimizer, closure: Callable[[], Any], model=None, **kwargs: Any) -> Any:
         def closure_then_finalize() -> Any:
             with ExitStack() as stack:
-                for c in self.components:
-                    stack.enter_context(c.last_microbatch_context(self._runner.num_microbatches))
+                self.components.last_microbatch(stack, self._runner.num_microbatches)
                 result = closure()
             self._doing(f"gradient reduction and optimizer step {self.lightning_module.trainer.global_step}")
             if any(b.has_grads for b in self._ctx.grad_buffers):
-                for c in self.components:  # in order: every rank skips together when one says so
-                    if not c.finalize_grads():
-                        self._each("zero_grads")
-                        break
+                self.components.finalize_grads()  # every rank skips together when one component says so
             return result
 
         try:
             return super().optimizer_step(optimizer, closure_then_finalize, model, **kwargs)
         finally:
-            self._each("zero_grads")
-
-    def reduce(self, tensor, group: Optional[Any] = None, reduce_op: Optional[Union[str, Any]] = "mean"):
-        """Reduce over data-parallel replicas (TP and CP ranks of a replica hold the same value)."""
-        if not isinstance(tensor, torch.Tensor) or self.parallel_state is None or not dist.is_initialized():
-            return tensor
-        return reduce_over(tensor, self.parallel_state.dp_group if group is None else group, reduce_op)
-
-    def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
-        return agree_everywhere(decision, all=all, device=self.root_device)
-
-    def all_gather(self, tensor: torch.Tensor, group: Optional[Any] = None, sync_grads: bool = False) -> torch.Tensor:
-        """Gather over data-parallel replicas, so every example appears once (as under DDP; CP ranks
-        hold the same examples, so they are one replica).
-        ``LightningModule.all_gather`` passes the world group by default: that means replicas here."""
-        group = self._state().dp_group if group in (None, dist.group.WORLD) else group
-        return super().all_gather(tensor, group=group, sync_grads=sync_grads)
+            self.components.each("zero_grads")
 
     # ------------------------------------------------------------------ checkpoints
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath, storage_options: Optional[Any] = None) -> None:
@@ -297,9 +267,8 @@ class MegatronStrategy(DDPStrategy):
     # ------------------------------------------------------------------ end
     def on_exception(self, exception: BaseException) -> None:
         super().on_exception(exception)
-        self._each("on_exception", exception)
+        self.components.each("on_exception", exception)
 
     def teardown(self) -> None:
-        for c in reversed(self.components):
-            c.teardown()
+        self.components.teardown()
         super().teardown()

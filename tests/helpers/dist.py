@@ -36,6 +36,10 @@ def _worker(fn, rank, world_size, port, args, results):
     except BaseException:  # noqa: BLE001 - report everything to the parent
         results.put((rank, "error", traceback.format_exc()))
     finally:
+        # The report must be in the pipe before teardown: tearing down gloo while a peer is gone
+        # can kill this process, and a loaded machine may not have flushed the queue by then.
+        results.close()
+        results.join_thread()
         if dist.is_initialized():
             dist.destroy_process_group()
 
@@ -75,8 +79,8 @@ def run_distributed(
             except queue.Empty:
                 dead = [i for i, p in enumerate(procs) if p.exitcode not in (None, 0)]
                 if dead and not errors:
-                    # a rank died without reporting (segfault, SIGKILL): no point waiting
-                    time.sleep(0.5)
+                    # a rank died without reporting (segfault, SIGKILL): no point waiting long
+                    time.sleep(2.0)
                     if results.empty():
                         raise RuntimeError(f"ranks {dead} exited with codes {[procs[i].exitcode for i in dead]}")
                 continue

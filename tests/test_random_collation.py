@@ -1,6 +1,6 @@
 """Random collation behaves as under DDP: an MLM collator (random masking in ``collate_fn``,
 ``BatchEncoding`` batches) in the main process and in worker processes gives DDP's per-step
-losses at tp=2 and pp=2, because every rank of a model replica trains on the same masked batch
+losses (and a per-step LR schedule) at tp=2 and pp=2, because every rank of a model replica trains on the same masked batch
 and the strategy draws nothing from the user's random streams.
 
 Under pp the step runs as one microbatch here: the MLM loss is a mean over the masked tokens of
@@ -25,3 +25,4 @@ def test_mlm_collator_gives_ddp_losses(layout, workers):
     ours = run_script(SCRIPT, 2, ["--strategy", "megatron", *layout, "--num-workers", str(workers)], timeout=300)
     assert len(ddp["losses"]) == 6
     assert ours["losses"] == pytest.approx(ddp["losses"], abs=2e-4)
+    assert ours["lrs"] == ddp["lrs"] and ddp["lrs"][0] < ddp["lrs"][-1]  # the per-step schedule ran

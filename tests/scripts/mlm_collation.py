@@ -1,5 +1,6 @@
 """Random collation as users write it: a BERT masked-LM fed by Hugging Face's MLM collator
-(random masking in ``collate_fn``, ``BatchEncoding`` batches, optional worker processes).
+(random masking in ``collate_fn``, ``BatchEncoding`` batches, optional worker processes), with a
+per-step warm-up schedule (``interval="step"``) whose learning rate rank 0 records each step.
 
 Launched on N processes by tests/helpers/launch.py; rank 0 writes the per-step losses it logged.
 """
@@ -70,15 +71,19 @@ class MaskedLM(L.LightningModule):
         return loss
 
     def configure_optimizers(self):
-        return torch.optim.AdamW(self.parameters(), lr=1e-3)
+        optimizer = torch.optim.AdamW(self.parameters(), lr=3e-3)
+        warmup = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / 3))
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": warmup, "interval": "step"}}
 
 
 class StepLosses(Callback):
     def __init__(self):
         self.losses: list[float] = []
+        self.lrs: list[float] = []
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         self.losses.append(float(trainer.callback_metrics["train_loss"]))
+        self.lrs.append(trainer.optimizers[0].param_groups[0]["lr"])
 
 
 def main() -> None:
@@ -105,7 +110,7 @@ def main() -> None:
                         enable_checkpointing=False, limit_val_batches=0)
     trainer.fit(module)
     if trainer.is_global_zero:
-        Path(args.out).write_text(json.dumps({"losses": losses.losses}))
+        Path(args.out).write_text(json.dumps({"losses": losses.losses, "lrs": losses.lrs}))
     torch.distributed.barrier() if torch.distributed.is_initialized() else None
     sys.stdout.flush()
     os._exit(0)

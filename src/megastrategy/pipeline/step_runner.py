@@ -49,6 +49,7 @@ class StepRunner:
         self._components = list(components)
         self._hooks = {h: [c for c in components if overrides(c, h)] for h in _STEP_HOOKS}
         self._metric_paths: Optional[dict[int, str]] = None  # id(metric) -> attribute path
+        self._capture: Optional[Any] = None  # this step's log capture (pipelined steps only)
 
     @classmethod
     def build(cls, ctx: SetupContext, components: Sequence[Component]) -> "StepRunner":
@@ -120,7 +121,11 @@ class StepRunner:
         if self._metric_paths is None:  # the module's structure is fixed once it is sharded
             self._metric_paths = metric_paths(module)
         with capturing_logs(module, self._metric_paths) as capture:
-            self._execute(step, forward_step, None)
+            self._capture = capture
+            try:
+                self._execute(step, forward_step, None)
+            finally:
+                self._capture = None
 
         summary = _summarize(outputs, step.name) if dist.get_rank() == self.last_stage_rank else None
         result = relay_logs(module, capture, src=self.last_stage_rank, group=self.pp_group, result=summary)
@@ -162,6 +167,8 @@ class StepRunner:
 
         def run_user_step(microbatch: int) -> Any:
             batch = microbatches[microbatch]
+            if self._capture is not None:
+                self._capture.begin_microbatch(batch)
             for c in preparers:
                 batch = c.prepare_microbatch(batch, step)
             with ExitStack() as stack:

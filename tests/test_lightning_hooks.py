@@ -4,7 +4,7 @@ One launch per layout of ``tests/scripts/hooks_and_logs.py`` (a Hugging Face BER
 ``p.grad`` in ``on_after_backward``/``on_before_optimizer_step`` and logging with every
 ``reduce_fx``), compared with Lightning's ``DDPStrategy`` on one process (dp=1 in every layout
 here): hook call counts, the loss given to ``on_before_backward``, every parameter's gradient
-(TP shards summed over TP ranks, PP stages joined), the true global norm from
+(TP shards summed over the TP ranks of one replica, PP stages joined), the true global norm from
 ``strategy.grad_norm()``, and every metric Lightning shows on rank 0, per step and per epoch.
 """
 from functools import lru_cache
@@ -19,6 +19,7 @@ TOL = 2e-4
 pytestmark = pytest.mark.slow
 
 LAYOUTS = {"tp2": (2, ("--tp", "2")), "pp2": (2, ("--pp", "2")), "tp2-pp2": (4, ("--tp", "2", "--pp", "2"))}
+DP2 = {"tp2-dp2": (4, ("--tp", "2"))}  # compared with DDP on 2 processes
 
 
 @lru_cache(maxsize=None)
@@ -26,19 +27,19 @@ def _run(nprocs: int, *args: str) -> dict:
     return run_script(SCRIPT, nprocs, list(args), timeout=300)
 
 
-def _ddp(*extra: str) -> dict:
-    return _run(1, "--strategy", "ddp", *extra)
+def _ddp(*extra: str, nprocs: int = 1) -> dict:
+    return _run(nprocs, "--strategy", "ddp", *extra)
 
 
 def _ours(layout: str, *extra: str) -> dict:
-    nprocs, args = LAYOUTS[layout]
+    nprocs, args = {**LAYOUTS, **DP2}[layout]
     return _run(nprocs, "--strategy", "megatron", *args, *extra)
 
 
 def _full_grad_norms(ranks: list, key: str) -> list[dict[str, float]]:
     """Per step, each parameter's gradient norm over the whole model: squared norms of TP shards
     added over the ranks holding them, a replicated parameter counted once."""
-    steps = []
+    steps, ranks = [], [rank for rank in ranks if rank["replica"] == 0]
     for step in range(len(ranks[0][key])):
         sq: dict[str, float] = {}
         for rank in ranks:
@@ -97,4 +98,20 @@ def test_gradient_accumulation_calls_the_hooks_once_per_backward_under_pp():
     for key in ("after_backward", "before_opt"):
         for step, (mine, theirs) in enumerate(zip(_full_grad_norms(ours["ranks"], key), _full_grad_norms(ref["ranks"], key))):
             _assert_close(mine, theirs, f"{key} step {step}")
+    _assert_close(ours["final"], ref["final"], "epoch")
+
+
+@pytest.mark.parametrize("overlap", [(), ("--overlap",)], ids=["", "overlap_grad_reduce"])
+def test_with_two_replicas_the_reduced_gradients_and_logs_are_ddps(overlap):
+    """dp=2: on_before_optimizer_step and strategy.grad_norm() see the replica average as DDP does
+    (on_after_backward sees this replica's gradient before the reduction: documented)."""
+    ours, ref = _ours("tp2-dp2", *overlap), _ddp(nprocs=2)
+    for rank in ours["ranks"]:
+        assert rank["counts"] == ref["ranks"][0]["counts"]
+        assert max(abs(a - b) for a, b in zip(rank["true_norm"], ref["ranks"][0]["lightning_total"])) < TOL
+    for step, (mine, theirs) in enumerate(zip(_full_grad_norms(ours["ranks"], "before_opt"),
+                                              _full_grad_norms(ref["ranks"], "before_opt"))):
+        _assert_close(mine, theirs, f"before_opt step {step}")
+    for step, (mine, theirs) in enumerate(zip(ours["steps"], ref["steps"])):
+        _assert_close(mine, theirs, f"step {step}")
     _assert_close(ours["final"], ref["final"], "epoch")

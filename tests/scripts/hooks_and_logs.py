@@ -91,6 +91,7 @@ def main() -> None:
     p.add_argument("--tp", type=int, default=1)
     p.add_argument("--pp", type=int, default=1)
     p.add_argument("--accumulate", type=int, default=1)
+    p.add_argument("--overlap", action="store_true", help="MegatronStrategy(overlap_grad_reduce=True)")
     args = p.parse_args()
     torch.set_num_threads(1)
     L.seed_everything(7, verbose=False)
@@ -100,7 +101,7 @@ def main() -> None:
     else:
         from megastrategy import MegatronStrategy
 
-        strategy = MegatronStrategy(tp=args.tp, pp=args.pp)
+        strategy = MegatronStrategy(tp=args.tp, pp=args.pp, overlap_grad_reduce=args.overlap)
     metrics = MetricsEachStep()
     trainer = L.Trainer(
         accelerator="cpu", devices=int(os.environ["WORLD_SIZE"]), strategy=strategy, max_epochs=1,
@@ -109,6 +110,8 @@ def main() -> None:
         accumulate_grad_batches=args.accumulate,
     )
     trainer.fit(module)
+    state = getattr(strategy, "parallel_state", None)
+    module.rec["replica"] = state.dp_rank if state is not None else trainer.global_rank
     ranks = [None] * trainer.world_size
     if dist.is_initialized():
         dist.all_gather_object(ranks, module.rec)

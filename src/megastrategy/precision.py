@@ -6,6 +6,9 @@ user's plugin a subclass (mixing in :class:`ModelParallelPrecision`) that change
 
 * clipping must see the whole model, not this rank's shards: it is delegated to the strategy's
   gradient owner, which computes the true global norm;
+* Lightning's ``on_after_backward`` hooks (called from ``post_backward``) must see ``p.grad``,
+  which the gradient buffer keeps in ``main_grad``: the buffer is shown as ``.grad`` for the
+  duration of the hooks (:mod:`megastrategy.ddp.grad_views`);
 * with dynamic loss scaling (``16-mixed``) the decision to skip a step after an overflow must be
   the same on every rank, or the shards of one model drift apart. Each rank only sees its own
   shards' gradients, so the overflow flags are OR-ed over all ranks before the scaler decides.
@@ -13,7 +16,8 @@ user's plugin a subclass (mixing in :class:`ModelParallelPrecision`) that change
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable, Optional
+from contextlib import nullcontext
+from typing import Any, Callable, ContextManager, Optional
 
 import torch
 import torch.distributed as dist
@@ -44,6 +48,12 @@ class ModelParallelPrecision:
     _megatron_clip_norm: Optional[Clip] = None
     _megatron_clip_value: Optional[Clip] = None
     _megatron_overflow_group: Optional[dist.ProcessGroup] = None
+    _megatron_grads_visible: Callable[[], ContextManager] = nullcontext
+
+    def post_backward(self, tensor: Any, module: Any) -> Any:
+        # Lightning calls on_after_backward from here: let it read the gradients as p.grad.
+        with self._megatron_grads_visible():
+            return super().post_backward(tensor, module)
 
     def clip_grad_by_norm(self, optimizer: Any, clip_val: float) -> None:
         self._megatron_clip_norm(optimizer, clip_val)
@@ -67,9 +77,12 @@ def _model_parallel_class(base: type) -> type:
 
 
 def adopt_precision_plugin(plugin: Any, *, clip_norm: Optional[Clip], clip_value: Optional[Clip],
-                           overflow_group: Optional[dist.ProcessGroup] = None) -> Any:
-    """Give ``plugin`` the model-parallel subclass of its own class; returns it (same object)."""
+                           overflow_group: Optional[dist.ProcessGroup] = None,
+                           grads_visible: Optional[Callable[[], ContextManager]] = None) -> Any:
+    """Give ``plugin`` the model-parallel subclass of its own class; returns it (same object).
+    ``grads_visible()`` is entered around the ``on_after_backward`` hooks."""
     plugin.__class__ = _model_parallel_class(type(plugin))
     plugin._megatron_clip_norm, plugin._megatron_clip_value = clip_norm, clip_value
+    plugin._megatron_grads_visible = grads_visible or nullcontext
     plugin._megatron_overflow_group = overflow_group
     return plugin

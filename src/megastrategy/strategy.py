@@ -157,7 +157,7 @@ class MegatronStrategy(ReplicaCollectives, DDPStrategy):
             self._setup_gradients(trainer, module)
         self.setup_precision_plugin()
         adopt_precision_plugin(self.precision_plugin, clip_norm=self.grad_buffers.clip_grad_norm,
-                               clip_value=self.grad_buffers.clip_grad_value)
+                               clip_value=self.grad_buffers.clip_grad_value, grads_visible=self.grad_buffers.grads_visible)
         if trainer.state.fn == TrainerFn.FITTING:
             _optimizers_to_device(self.optimizers, self.root_device)
 
@@ -182,11 +182,22 @@ class MegatronStrategy(ReplicaCollectives, DDPStrategy):
                 accumulate_grad_batches=module.trainer.accumulate_grad_batches if training else 1,
                 grad_scale=scaler.get_scale() if scaler is not None else 1.0,
                 lightning_backward=self._lightning_backward if module.automatic_optimization else None,
+                backward_hooks=self._lightning_backward_hooks if module.automatic_optimization else None,
             )
 
     def _lightning_backward(self, loss: torch.Tensor) -> None:
         """The one-stage backward, as Lightning runs it: hooks, precision plugin, ``module.backward``."""
         DDPStrategy.backward(self, loss, None)
+
+    def _lightning_backward_hooks(self, loss: torch.Tensor) -> None:
+        """Lightning's before/after-backward hooks for a backward the pipeline schedule already ran."""
+        loss = self.precision_plugin.pre_backward(loss, self.lightning_module)
+        self.precision_plugin.post_backward(loss, self.lightning_module)
+
+    def grad_norm(self, norm_type: float = 2.0) -> torch.Tensor:
+        """The true global gradient norm (the one clipping uses), e.g. in ``on_before_optimizer_step``.
+        Collective: call it on every rank. Lightning's ``grad_norm(module)`` sees only this rank's shards."""
+        return self.grad_buffers.grad_norm(self.optimizers, norm_type)
 
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         return self._step("training_step", self.precision_plugin.train_step_context, args, kwargs)

@@ -9,13 +9,16 @@ Order within one optimizer step (driven by the strategy)::
     # Lightning: on_before_optimizer_step, clipping (below), optimizer.step()
     zero_grads()
 
+Lightning's ``on_after_backward`` hooks see the buffer as ``p.grad`` (:meth:`grads_visible`);
+:meth:`grad_norm` is the true global norm that clipping uses, for users to log.
+
 Checkpoints need nothing special: :meth:`DistributedOptimizer.state_dict` returns the plain torch
 format over the model's parameters, so :mod:`megastrategy.checkpoint` reshards it like any other.
 """
 from __future__ import annotations
 
 from contextlib import nullcontext
-from typing import Any, Callable, ContextManager, Optional, Union
+from typing import Any, Callable, ContextManager, Iterable, Optional, Union
 
 import torch
 from torch import nn
@@ -24,11 +27,12 @@ from megastrategy.component import Component, SetupContext
 from megastrategy.config import MegatronConfig
 from megastrategy.ddp.distributed_optimizer import DistributedOptimizer
 from megastrategy.ddp.grad_buffer import GradientBuffer
-from megastrategy.ddp.grad_clip import clip_grad_norm_
+from megastrategy.ddp.grad_clip import clip_grad_norm_, global_grad_norm
+from megastrategy.ddp.grad_views import visible_grads
 from megastrategy.ddp.optimizer_wrapping import wrap_optimizers
 from megastrategy.errors import MegatronConfigError
 from megastrategy.layers.shard_spec import get_shard_spec
-from megastrategy.moe.integration import clip_grad_norm_with_experts, dense_parameters
+from megastrategy.moe.integration import clip_grad_norm_with_experts, dense_parameters, grad_norm_with_experts
 
 __all__ = ["GradientBuffers", "grad_counts_here"]
 
@@ -94,7 +98,36 @@ class GradientBuffers(Component):
             self.buffer.remove()
         self.buffer = None
 
+    def grads_visible(self) -> ContextManager:
+        """Around Lightning's ``on_after_backward`` hooks: every buffer (dense and expert) as ``p.grad``."""
+        return visible_grads(list(self._ctx.grad_buffers) if self._ctx is not None else [])
+
     # ------------------------------------------------------------------ clipping
+    def grad_norm(self, optimizers: Iterable[Any], norm_type: float = 2.0) -> torch.Tensor:
+        """The true global gradient norm, as :meth:`clip_grad_norm` computes it, without clipping.
+
+        Collective (every rank calls it); meaningful once the gradients are reduced, i.e. in
+        ``on_before_optimizer_step``; the same value on every rank.
+        """
+        ctx = self._require_ctx()
+        ps, counts_here = ctx.parallel_state, grad_counts_here(ctx)
+        optimizers = [_unwrap(o) for o in optimizers]
+        if ctx.num_moe_layers:
+            params = [p for o in optimizers for group in o.param_groups for p in group["params"]]
+            return grad_norm_with_experts(params, parallel_state=ps, dense_counts_here=counts_here, norm_type=norm_type)
+        norms = []
+        for optimizer in optimizers:
+            if isinstance(optimizer, DistributedOptimizer):
+                norms.append(optimizer.grad_norm(counts_here=counts_here, model_parallel_group=ps.mp_group,
+                                                 norm_type=norm_type))
+            else:
+                params = [p for group in optimizer.param_groups for p in group["params"]]
+                norms.append(global_grad_norm(params, counts_here=counts_here, group=ps.mp_group, norm_type=norm_type))
+        if not norms:
+            return torch.zeros((), device=ctx.device)
+        stacked = torch.stack([n.float() for n in norms])
+        return stacked.max() if norm_type == float("inf") else stacked.pow(norm_type).sum().pow(1.0 / norm_type)
+
     def clip_grad_norm(self, optimizer: Any, clip_val: Union[int, float]) -> torch.Tensor:
         """Clip by the true global norm: TP shards and PP stages each once, TP-replicated
         parameters and the last stage's tied-embedding copy not twice."""

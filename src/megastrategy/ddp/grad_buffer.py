@@ -276,6 +276,10 @@ class GradientBuffer:
         # all-reduce (also the fallback for a backend without reduce-scatter: every shard is valid)
         bucket.work = dist.all_reduce(bucket.data, group=self.group, async_op=async_op)
 
+    def wait_for_reductions(self) -> None:
+        """Wait for reductions started early (``overlap_grad_reduce``), so the buffer may be read."""
+        self._wait_all()
+
     def _wait_all(self) -> None:
         for bucket in self.buckets:
             if bucket.work is not None:

@@ -256,6 +256,24 @@ def clip_grad_norm_with_experts(
     ``mp_group``). Collective over the whole world: every rank must call it (also ranks without
     expert parameters) whenever *any* rank has MoE layers. Returns the norm before clipping.
     """
+    params = [p for p in params if p.grad is not None]
+    total = grad_norm_with_experts(params, parallel_state=parallel_state, dense_counts_here=dense_counts_here,
+                                   norm_type=norm_type)
+    coef = (max_norm / (total + 1e-6)).clamp(max=1.0)
+    for p in params:
+        p.grad.detach().mul_(coef.to(p.grad.device, p.grad.dtype))
+    return total
+
+
+def grad_norm_with_experts(
+    params: Iterable[nn.Parameter],
+    *,
+    parallel_state,
+    dense_counts_here: Callable[[nn.Parameter], bool],
+    norm_type: float = 2.0,
+) -> torch.Tensor:
+    """The true global norm of dense and expert gradients (collective over the whole world, as
+    :func:`clip_grad_norm_with_experts`)."""
     ps = parallel_state
     params = [p for p in params if p.grad is not None]
     dense = [p for p in params if not is_expert_parameter(p)]
@@ -278,7 +296,4 @@ def clip_grad_norm_with_experts(
         total = torch.maximum(dense_norm, local)
     else:
         total = (dense_norm.float() ** norm_type + local) ** (1.0 / norm_type)
-    coef = (max_norm / (total + 1e-6)).clamp(max=1.0)
-    for p in params:
-        p.grad.detach().mul_(coef.to(p.grad.device, p.grad.dtype))
     return total

@@ -1,10 +1,12 @@
 """Relay the last stage's ``self.log`` calls to every pipeline stage.
 
 Under pipeline parallelism only the last stage computes losses and reaches the user's
-``self.log`` calls, so those calls are captured there, averaged over microbatches, sent to every
-stage of the pipeline and replayed on every rank: rank 0's progress bar, loggers and callbacks
-then see what single-device training would show, and ``sync_dist`` collectives are entered by
-every rank (no deadlock).
+``self.log`` calls, once per microbatch. Those calls are captured there, combined over the
+microbatches the way the call's ``reduce_fx`` combines values (:mod:`.log_reduce`), sent to every
+stage of the pipeline and replayed on every rank with the whole batch's ``batch_size``: rank 0's
+progress bar, loggers and callbacks then see what one device logs for the whole batch, and
+``sync_dist`` collectives are entered by every rank (no deadlock) with tensors on the module's
+device (NCCL cannot reduce CPU tensors).
 """
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from megastrategy.errors import MegatronConfigError
+from megastrategy.pipeline.log_reduce import combine_microbatches, microbatch_size
 
 _UNPICKLABLE_LOG_ARGS = ("sync_dist_group",)
 
@@ -22,16 +25,23 @@ _UNPICKLABLE_LOG_ARGS = ("sync_dist_group",)
 class _LogCapture:
     """Records ``self.log`` calls made during the microbatches of one step.
 
-    Plain values are averaged over microbatches. A torchmetrics object is recorded by its
-    attribute path: the metric itself accumulated every microbatch, and its state is shipped
-    to the other stages so that every rank logs an identical metric.
+    Plain values are recorded with their microbatch's size (the call's ``batch_size=`` or the
+    size Lightning would infer from the microbatch) and combined by :meth:`combined`. A
+    torchmetrics object is recorded by its attribute path: the metric itself accumulated every
+    microbatch, and its state is shipped to the other stages so that every rank logs an
+    identical metric.
     """
 
     def __init__(self, metric_paths: dict[int, str]) -> None:
-        self.calls: dict[str, tuple[list[float], dict[str, Any]]] = {}
+        self.calls: dict[str, tuple[list[tuple[float, int]], dict[str, Any]]] = {}
         self.metrics: dict[str, tuple[str, dict[str, Any]]] = {}
         self.metric_step_values: dict[str, list[torch.Tensor]] = {}
         self._metric_paths = metric_paths
+        self._microbatch_size = 1
+
+    def begin_microbatch(self, microbatch: Any) -> None:
+        """The step runner announces the microbatch whose ``self.log`` calls come next."""
+        self._microbatch_size = microbatch_size(microbatch)
 
     def __call__(self, name: str, value: Any, **kwargs: Any) -> None:
         kwargs = {k: v for k, v in kwargs.items() if k not in _UNPICKLABLE_LOG_ARGS}
@@ -46,11 +56,17 @@ class _LogCapture:
                 "or a torchmetrics Metric that is an attribute of the LightningModule."
             )
         value = float(value.detach().float().mean()) if isinstance(value, torch.Tensor) else float(value)
+        size = kwargs.get("batch_size")
         values, _ = self.calls.setdefault(name, ([], kwargs))
-        values.append(value)
+        values.append((value, int(size) if size is not None else self._microbatch_size))
 
-    def averaged(self) -> list[tuple[str, float, dict[str, Any]]]:
-        return [(name, sum(vals) / len(vals), kw) for name, (vals, kw) in self.calls.items()]
+    def combined(self) -> list[tuple[str, float, dict[str, Any]]]:
+        """Each name's value for the whole batch, with the whole batch's ``batch_size``."""
+        out = []
+        for name, (values, kwargs) in self.calls.items():
+            value, total = combine_microbatches(name, values, kwargs.get("reduce_fx", "mean"))
+            out.append((name, value, {**kwargs, "batch_size": total}))
+        return out
 
     def metric_step_value(self, name: str) -> Optional[torch.Tensor]:
         """The step's value of a logged metric: the mean of its microbatch values (exact for
@@ -114,7 +130,7 @@ def relay_logs(module, capture: Optional[_LogCapture], *, src: int, group, resul
     if dist.get_rank() == src:
         payload = [
             {
-                "logs": capture.averaged(),
+                "logs": capture.combined(),
                 "metrics": {
                     name: (path, kw, _metric_snapshot(module.get_submodule(path), capture.metric_step_value(name)))
                     for name, (path, kw) in capture.metrics.items()
@@ -125,7 +141,7 @@ def relay_logs(module, capture: Optional[_LogCapture], *, src: int, group, resul
     dist.broadcast_object_list(payload, src=src, group=group)
     received = payload[0]
     for name, value, kwargs in received["logs"]:
-        module.log(name, torch.tensor(value), **kwargs)
+        module.log(name, torch.tensor(value, dtype=torch.float32, device=module.device), **kwargs)
     for name, (path, kwargs, snapshot) in received["metrics"].items():
         metric = module.get_submodule(path)
         _restore_metric(metric, snapshot, module.device, states=dist.get_rank() != src)

@@ -5,6 +5,9 @@ only stage, so a step is a one-stage, one-microbatch schedule: forward, then (tr
 backward through Lightning's own ``backward`` (its hooks and loss scaling included). With
 ``pp > 1`` the batch is split into microbatches and this rank's schedule runs them; only the
 last stage reaches the user's ``self.log`` calls, which :mod:`.log_relay` replays everywhere.
+Lightning's backward hooks (``on_before_backward(loss)``, ``on_after_backward``) then run once for
+the step, as one device runs them once per batch: after the schedule, when the whole batch's loss
+is known on every stage and the stage's gradients are complete.
 
 The components (:mod:`megastrategy.component`) see the same protocol in both cases:
 ``begin_step``, per microbatch ``forward_context``/``on_forward``/``on_backward``, ``end_step``.
@@ -28,6 +31,7 @@ from megastrategy.pipeline.stage import PipelineStage, StageBoundary, iter_micro
 __all__ = ["StepRunner"]
 
 LightningBackward = Callable[[torch.Tensor], None]
+BackwardHooks = Callable[[torch.Tensor], None]  # Lightning's before/after-backward hooks for a loss
 
 
 class StepRunner:
@@ -50,6 +54,7 @@ class StepRunner:
         self._components = list(components)
         self._hooks = {h: [c for c in components if overrides(c, h)] for h in _STEP_HOOKS}
         self._metric_paths: Optional[dict[int, str]] = None  # id(metric) -> attribute path
+        self._capture: Optional[Any] = None  # this step's log capture (pipelined steps only)
 
     @classmethod
     def build(cls, ctx: SetupContext, components: Sequence[Component]) -> "StepRunner":
@@ -85,11 +90,14 @@ class StepRunner:
         accumulate_grad_batches: int = 1,
         grad_scale: float = 1.0,
         lightning_backward: Optional[LightningBackward] = None,
+        backward_hooks: Optional[BackwardHooks] = None,
     ) -> Any:
         """One whole step; returns what this rank hands back to Lightning.
 
         ``lightning_backward(loss)`` runs the single stage's backward the way Lightning would
         (hooks, precision plugin); ``None`` (manual optimization) leaves backward to the user.
+        ``backward_hooks(loss)`` runs Lightning's backward hooks without a backward: under
+        pipelining, once after the schedule, with the step's loss as Lightning scales it.
         """
         microbatches = self._split(step_name, args, kwargs)
         step = StepInfo(step_name, len(microbatches), accumulate_grad_batches, grad_scale)
@@ -99,6 +107,8 @@ class StepRunner:
         forward_step = self._forward_step(getattr(module, step_name), microbatches, args[1:], kwargs, outputs, step)
         if self.pipelined:
             result = self._run_pipelined(module, step, forward_step, outputs)
+            if step.training and backward_hooks is not None and isinstance(result, torch.Tensor):
+                backward_hooks(result / step.accumulate_grad_batches if step.accumulate_grad_batches > 1 else result)
         else:
             self._execute(step, forward_step, _single_stage_backward(outputs, lightning_backward))
             result = outputs[0]
@@ -121,7 +131,11 @@ class StepRunner:
         if self._metric_paths is None:  # the module's structure is fixed once it is sharded
             self._metric_paths = metric_paths(module)
         with capturing_logs(module, self._metric_paths) as capture:
-            self._execute(step, forward_step, None)
+            self._capture = capture
+            try:
+                self._execute(step, forward_step, None)
+            finally:
+                self._capture = None
 
         summary = _summarize(outputs, step.name) if dist.get_rank() == self.last_stage_rank else None
         result = relay_logs(module, capture, src=self.last_stage_rank, group=self.pp_group, result=summary)
@@ -163,6 +177,8 @@ class StepRunner:
 
         def run_user_step(microbatch: int) -> Any:
             batch = microbatches[microbatch]
+            if self._capture is not None:
+                self._capture.begin_microbatch(batch)
             for c in preparers:
                 batch = c.prepare_microbatch(batch, step)
             with ExitStack() as stack:

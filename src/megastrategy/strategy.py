@@ -22,14 +22,15 @@ from lightning.pytorch.trainer.states import TrainerFn
 from torch import nn
 
 from megastrategy import all_components as parts
-from megastrategy.checkpoint.dcp_io import remove_checkpoint_dir
+from megastrategy.checkpoint.strategy_methods import CheckpointMethods
 from megastrategy.component import Component, Environment, SetupContext
 from megastrategy.component_list import ComponentList
 from megastrategy.config import MegatronConfig, split_strategy_arguments
 from megastrategy.parallel_state import ParallelLayout, ParallelState
 from megastrategy.pipeline.step_runner import StepRunner
 from megastrategy.rank_zero import log_on_rank_zero
-from megastrategy.precision import adopt_precision_plugin, loss_scaler
+from megastrategy.lightning_steps import LightningStepMethods
+from megastrategy.precision import adopt_precision_plugin
 from megastrategy.replica_collectives import ReplicaCollectives
 from megastrategy.replicas import broadcast_module_states, set_metric_process_group
 from megastrategy.signature import passthrough_arguments, signature_from
@@ -42,7 +43,7 @@ C = TypeVar("C", bound=Component)
 _LIGHTNING_ARGUMENTS = set(passthrough_arguments(DDPStrategy.__init__, MegatronConfig))
 
 
-class MegatronStrategy(ReplicaCollectives, DDPStrategy):
+class MegatronStrategy(LightningStepMethods, CheckpointMethods, ReplicaCollectives, DDPStrategy):
     """Tensor, pipeline, data and expert parallelism for an existing ``LightningModule``.
 
     Takes every field of :class:`~megastrategy.config.MegatronConfig` as a keyword (``tp``,
@@ -170,52 +171,11 @@ class MegatronStrategy(ReplicaCollectives, DDPStrategy):
     def configure_ddp(self) -> None:
         """No DistributedDataParallel wrapper: the gradient buffer does data parallelism."""
 
-    # ------------------------------------------------------------------ steps
-    def _step(self, name: str, context: Callable[[], Any], args: tuple, kwargs: dict) -> Any:
-        module = self.lightning_module
-        args, kwargs = self.precision_plugin.convert_input((args, kwargs))
-        training = name == "training_step"
-        scaler = loss_scaler(self.precision_plugin) if training else None
-        with context():
-            return self._runner.run(
-                module, name, args, kwargs,
-                accumulate_grad_batches=module.trainer.accumulate_grad_batches if training else 1,
-                grad_scale=scaler.get_scale() if scaler is not None else 1.0,
-                lightning_backward=self._lightning_backward if module.automatic_optimization else None,
-                backward_hooks=self._lightning_backward_hooks if module.automatic_optimization else None,
-            )
-
-    def _lightning_backward(self, loss: torch.Tensor) -> None:
-        """The one-stage backward, as Lightning runs it: hooks, precision plugin, ``module.backward``."""
-        DDPStrategy.backward(self, loss, None)
-
-    def _lightning_backward_hooks(self, loss: torch.Tensor) -> None:
-        """Lightning's before/after-backward hooks for a backward the pipeline schedule already ran."""
-        loss = self.precision_plugin.pre_backward(loss, self.lightning_module)
-        self.precision_plugin.post_backward(loss, self.lightning_module)
-
+    # ------------------------------------------------------------------ gradients
     def grad_norm(self, norm_type: float = 2.0) -> torch.Tensor:
         """The true global gradient norm (the one clipping uses), e.g. in ``on_before_optimizer_step``.
         Collective: call it on every rank. Lightning's ``grad_norm(module)`` sees only this rank's shards."""
         return self.grad_buffers.grad_norm(self.optimizers, norm_type)
-
-    def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        return self._step("training_step", self.precision_plugin.train_step_context, args, kwargs)
-
-    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
-        self._doing(f"validation_step (batch {args[1] if len(args) > 1 else '?'})")
-        return self._step("validation_step", self.precision_plugin.val_step_context, args, kwargs)
-
-    def test_step(self, *args: Any, **kwargs: Any) -> Any:
-        return self._step("test_step", self.precision_plugin.test_step_context, args, kwargs)
-
-    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
-        return self._step("predict_step", self.precision_plugin.predict_step_context, args, kwargs)
-
-    def backward(self, closure_loss: torch.Tensor, optimizer, *args: Any, **kwargs: Any) -> torch.Tensor:
-        if self.lightning_module.automatic_optimization:
-            return closure_loss  # the step runner already ran every backward of the step
-        return super().backward(closure_loss, optimizer, *args, **kwargs)
 
     # ------------------------------------------------------------------ data
     def process_dataloader(self, dataloader: Any) -> Any:
@@ -258,22 +218,6 @@ class MegatronStrategy(ReplicaCollectives, DDPStrategy):
             return super().optimizer_step(optimizer, closure_then_finalize, model, **kwargs)
         finally:
             self.components.each("zero_grads")
-
-    # ------------------------------------------------------------------ checkpoints
-    def save_checkpoint(self, checkpoint: dict[str, Any], filepath, storage_options: Optional[Any] = None) -> None:
-        """Collective: every rank writes its own shards into the DCP checkpoint directory ``filepath``,
-        in the user's original names and shapes, so it resumes on any layout."""
-        if storage_options is not None:
-            raise TypeError("MegatronStrategy.save_checkpoint: storage_options are not supported.")
-        barrier = lambda: self.barrier("megastrategy.save_checkpoint")  # noqa: E731
-        self.checkpoints.save(self.lightning_module, lambda: list(self.optimizers), checkpoint, filepath, barrier)
-
-    def load_checkpoint(self, checkpoint_path, weights_only: Optional[bool] = None) -> dict[str, Any]:
-        return self.checkpoints.load(self.lightning_module, lambda: list(self.optimizers), checkpoint_path)
-
-    def remove_checkpoint(self, filepath) -> None:
-        if self.is_global_zero:
-            remove_checkpoint_dir(filepath)
 
     # ------------------------------------------------------------------ end
     def on_exception(self, exception: BaseException) -> None:

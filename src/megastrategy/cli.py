@@ -4,6 +4,8 @@
                              [--hf-class transformers.BertForSequenceClassification
                               --hf-config DIR [--prefix model.] --hf-out DIR]
     megastrategy info CKPT
+    megastrategy check package.module:MyModule --devices 4 --tp 2 --pp 2 [--steps 5]
+                       [--module-args JSON] [--datamodule package.module:MyData --datamodule-args JSON]
 
 ``consolidate`` writes the user's full original ``state_dict`` of the sharded checkpoint
 directory CKPT to OUT.pt (``torch.save``); with ``--lightning`` a single-file Lightning
@@ -11,6 +13,9 @@ checkpoint (weights, epoch, hparams) for ``LightningModule.load_from_checkpoint`
 With ``--hf-class``/``--hf-config``/``--hf-out`` it also builds the Hugging Face model from
 the config directory, loads the keys under ``--prefix`` and ``save_pretrained``\\ s it.
 Runs in one process, no GPU or process group needed.
+
+``check`` trains the module a few steps under ``DDPStrategy`` and under the layout, from the same
+seed, prints per-step loss and gradient-norm differences and exits 1 when they disagree.
 """
 from __future__ import annotations
 
@@ -54,8 +59,46 @@ def _info(args: argparse.Namespace) -> int:
     return 0
 
 
+def _check(args: argparse.Namespace) -> int:
+    import json
+
+    from megastrategy.parity import ParityRun, run_check
+    from megastrategy.parity.launch import RanksFailed
+
+    run = ParityRun(module=args.module, module_args=json.loads(args.module_args), datamodule=args.datamodule,
+                    datamodule_args=json.loads(args.datamodule_args), steps=args.steps, seed=args.seed,
+                    dropout_off=not args.keep_dropout, tolerance=args.tolerance, timeout=args.timeout)
+    layout = {k: getattr(args, k) for k in ("tp", "pp", "cp", "ep", "vp") if getattr(args, k) is not None}
+    layout.update(json.loads(args.strategy_args))
+    try:
+        report = run_check(run, layout, args.devices)
+    except RanksFailed as failure:
+        print(f"megastrategy check: a run did not finish, so there is no verdict.\n{failure}", file=sys.stderr)
+        return 2
+    print(report.format())
+    return 0 if report.passed else 1
+
+
+def _add_check(sub) -> None:
+    k = sub.add_parser("check", help="train a module on a layout and on DDP from the same seed; compare per step")
+    k.add_argument("module", help="import path of the LightningModule class, e.g. my_project.models:MyModule")
+    k.add_argument("--devices", type=int, required=True, help="processes for the layout (the world size)")
+    for name in ("tp", "pp", "cp", "ep", "vp"):
+        k.add_argument(f"--{name}", type=int, default=None)
+    k.add_argument("--strategy-args", default="{}", help="other MegatronStrategy keywords, as JSON")
+    k.add_argument("--module-args", default="{}", help="keyword arguments of the module's constructor, as JSON")
+    k.add_argument("--datamodule", help="import path of a LightningDataModule class (default: the module's loaders)")
+    k.add_argument("--datamodule-args", default="{}", help="keyword arguments of the datamodule, as JSON")
+    k.add_argument("--steps", type=int, default=5)
+    k.add_argument("--seed", type=int, default=1234)
+    k.add_argument("--tolerance", type=float, default=2e-4, help="largest loss / relative grad-norm difference")
+    k.add_argument("--keep-dropout", action="store_true", help="leave dropout on (then only statistics can agree)")
+    k.add_argument("--timeout", type=float, default=600.0, help="seconds each run may take before it is stopped")
+    k.set_defaults(fn=_check)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="megastrategy", description="megastrategy checkpoint tools")
+    p = argparse.ArgumentParser(prog="megastrategy", description="megastrategy tools: checkpoints and parity checks")
     sub = p.add_subparsers(dest="command", required=True)
     c = sub.add_parser("consolidate", help="write the full original state_dict of a sharded checkpoint")
     c.add_argument("ckpt", help="sharded checkpoint directory (written by MegatronStrategy)")
@@ -69,6 +112,7 @@ def build_parser() -> argparse.ArgumentParser:
     i = sub.add_parser("info", help="print what a sharded checkpoint holds")
     i.add_argument("ckpt")
     i.set_defaults(fn=_info)
+    _add_check(sub)
     return p
 
 

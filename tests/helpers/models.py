@@ -97,6 +97,15 @@ class BertClassifier(BaseModule):
         return self.model(**batch).logits  # per-example outputs, as real prediction code returns
 
 
+class BertSummedLoss(BertClassifier):
+    """A user who sums the loss over the batch instead of averaging it (``reduction="sum"``): one
+    device's loss is over the whole batch, each pipeline microbatch's over part of it."""
+
+    def compute_loss(self, batch):
+        logits = self.model(input_ids=batch["input_ids"], attention_mask=batch.get("attention_mask")).logits
+        return torch.nn.functional.cross_entropy(logits, batch["labels"], reduction="sum")
+
+
 class Block(nn.Module):
     def __init__(self, d: int, n_head: int):
         super().__init__()

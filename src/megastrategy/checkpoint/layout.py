@@ -14,8 +14,9 @@ rank's tensor is one or more rectangular *chunks* of that canonical tensor:
   user's tensor is ``[in, out]``: its chunks are transposed views.
 
 MoE expert parameters split over expert tensor parallelism (``etp``) are chunks the same way,
-over the expert-TP group; expert parallelism itself needs nothing (experts keep their global
-index in their names, so each rank simply holds different keys).
+over the expert-TP group; expert parallelism itself needs nothing for ``MoELayer`` (experts keep
+their global index in their names, so each rank simply holds different keys). Hugging Face's
+fused experts (one ``[E, ...]`` tensor) hold whole experts along dim 0: chunks over the EP group.
 
 Names: ``TensorParallelMultiheadAttention`` keeps its packed projection in ``in_proj.weight``
 / ``in_proj.bias``; the user's ``nn.MultiheadAttention`` calls them ``in_proj_weight`` /
@@ -48,7 +49,7 @@ class TensorLayout:
     transposed: bool = False  # local is stored [out, in], the user's tensor is [in, out]
     tp_rank: int = 0  # rank and size of the group the split dimension is spread over
     tp_size: int = 1
-    group: str = "tp"  # which group that is: "tp", or "etp" (expert tensor parallelism)
+    group: str = "tp"  # which group that is: "tp", "etp" (expert tensor parallelism) or "ep" (fused experts)
 
     @property
     def sharded(self) -> bool:
@@ -181,6 +182,12 @@ def _tensor_layout(key: str, name: str, t: Tensor, tp_rank: int, tp_size: int, t
             tp_size=etp_size,
             group="etp",
         )
+    ep_size = int(getattr(expert, "ep_size", 1) or 1)
+    if expert is not None and getattr(expert, "ep_dim", None) is not None and ep_size > 1:
+        # Hugging Face fused experts: whole experts, dim 0 of [E, ...], split over the EP group
+        full = t.size(expert.ep_dim) * ep_size
+        return TensorLayout(name=name, spec=ShardSpec(dim=expert.ep_dim, full_size=full, padded_size=full),
+                            tp_rank=int(expert.ep_rank), tp_size=ep_size, group="ep")
     return TensorLayout(name=name, transposed=transposed, tp_rank=tp_rank, tp_size=tp_size)
 
 

@@ -82,7 +82,8 @@ def _layout(module: nn.Module, parallel_state: Any, plan: Any) -> tuple[ModuleLa
     if parallel_state is None:
         return module_layout(module, 0, 1, plan), MeshCache({})
     ps = parallel_state
-    groups = {"tp": ps.tp_group if ps.tp_size > 1 else None, "etp": getattr(ps, "expert_tp_group", None)}
+    groups = {"tp": ps.tp_group if ps.tp_size > 1 else None, "etp": getattr(ps, "expert_tp_group", None),
+              "ep": ps.ep_group if ps.ep_size > 1 else None}
     return module_layout(module, ps.tp_rank, ps.tp_size, plan), MeshCache(groups)
 
 

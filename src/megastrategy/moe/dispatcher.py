@@ -49,6 +49,7 @@ __all__ = [
     "split_tokens",
     "gather_tokens",
     "token_split_sizes",
+    "narrow_rows",
     "AllToAllDispatcher",
     "AllGatherDispatcher",
     "make_dispatcher",
@@ -264,7 +265,7 @@ def gather_tokens(x: Tensor, n: int, group) -> Tensor:
     return _GatherTokens.apply(x, token_split_sizes(n, world), group)
 
 
-def _narrow_rows(x: Tensor, group) -> Tensor:
+def narrow_rows(x: Tensor, group) -> Tensor:
     """Non-differentiable :func:`split_tokens` (routing indices, masks)."""
     world = group_world_size(group)
     if world == 1:

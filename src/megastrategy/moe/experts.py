@@ -39,6 +39,9 @@ class ExpertParamInfo:
     etp_dim: Optional[int]  # dim of the full tensor split over expert-TP (None: replicated over etp)
     etp_size: int = 1
     etp_rank: int = 0
+    ep_dim: Optional[int] = None  # fused experts (one [E, ...] tensor): dim 0 split over the EP group
+    ep_size: int = 1
+    ep_rank: int = 0
 
     @property
     def etp_replicated(self) -> bool:

@@ -41,6 +41,7 @@ from megastrategy.ddp.grad_clip import global_grad_norm
 from megastrategy.divisors import divisors
 from megastrategy.errors import MegatronConfigError
 from megastrategy.moe.experts import get_expert_info, is_expert_parameter
+from megastrategy.moe.hf_experts import shard_fused_experts, validate_fused_experts
 from megastrategy.moe.layer import MoELayer
 
 __all__ = [
@@ -70,6 +71,7 @@ def validate_moe(module: nn.Module, layout) -> None:
 
     ``world % (etp·ep·pp)`` is already checked by the layout itself.
     """
+    validate_fused_experts(module, layout)
     layers = [(n, m) for n, m in module.named_modules() if isinstance(m, MoELayer)]
     # ep/etp without any MoE layer are harmless (the expert grid is simply unused)
     for name, m in layers:
@@ -88,7 +90,8 @@ def validate_moe(module: nn.Module, layout) -> None:
 
 
 def shard_moe_layers(module: nn.Module, parallel_state) -> int:
-    """Make every ``MoELayer`` of ``module`` expert-parallel in place.
+    """Make every ``MoELayer`` (and every Hugging Face fused-experts module, :mod:`.hf_experts`)
+    of ``module`` expert-parallel in place.
 
     Each layer keeps only this rank's experts (its expert-TP slice of each), copied from the
     one-device weights it holds now — call it after every rank holds the same weights (after the
@@ -102,7 +105,7 @@ def shard_moe_layers(module: nn.Module, parallel_state) -> int:
     for m in layers:
         if not m.sharded:
             m.shard(ep_group=ps.ep_group, etp_group=ps.expert_tp_group, tp_group=ps.tp_group)
-    total = len(layers)
+    total = len(layers) + shard_fused_experts(module, ps)
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
         device = next((p.device for p in module.parameters()), torch.device("cpu"))
         if dist.get_backend() == "nccl" and device.type != "cuda":

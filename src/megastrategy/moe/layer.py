@@ -31,7 +31,7 @@ from megastrategy.errors import MegatronConfigError
 from megastrategy.layers.mappings import ProcessGroupRef
 from megastrategy.moe.dispatcher import (
     DISPATCHERS,
-    _narrow_rows,
+    narrow_rows,
     gather_tokens,
     group_rank,
     group_world_size,
@@ -141,8 +141,8 @@ class MoELayer(nn.Module):
         if split:  # every TP rank holds all tokens: each dispatches its share
             local = split_tokens(tokens, self.tp_group)
             weights = split_tokens(weights, self.tp_group)
-            indices = _narrow_rows(indices, self.tp_group)
-            keep = _narrow_rows(keep, self.tp_group) if keep is not None else None
+            indices = narrow_rows(indices, self.tp_group)
+            keep = narrow_rows(keep, self.tp_group) if keep is not None else None
 
         expert_in, counts, state = self.dispatcher.dispatch(local, indices, weights, keep)
         expert_out = self.experts(expert_in, counts)

@@ -1,0 +1,123 @@
+"""Expert parallelism for Hugging Face's fused experts (Mixtral, Qwen3-MoE, OLMoE, ... in transformers 5.x).
+
+transformers 5.x keeps a sparse block's experts in one module holding two 3-D parameters,
+``gate_up_proj`` [E, 2F, H] and ``down_proj`` [E, H, F], called as
+``experts(hidden_states [N, H], top_k_index [N, k], top_k_weights [N, k])`` after the block's own
+router. With ``ep > 1`` that module is replaced by :class:`FusedExpertsParallel`: the same
+parameter names, holding this rank's ``E/ep`` experts (dim 0 split over the expert-parallel
+group), and this project's all-to-all dispatcher moving each routed token to the rank of its
+expert and back. The router, top-k, the weights and the auxiliary loss stay the Hugging Face
+model's own code, so training equals one device's.
+"""
+from __future__ import annotations
+
+import inspect
+from typing import Iterator
+
+import torch
+from torch import Tensor, nn
+from torch.nn import functional as F
+
+from megastrategy.errors import MegatronConfigError
+from megastrategy.moe.dispatcher import (
+    AllToAllDispatcher, narrow_rows, gather_tokens, group_rank, group_world_size, split_tokens,
+)
+from megastrategy.moe.expert_attr import EXPERT_ATTR
+from megastrategy.moe.experts import ExpertParamInfo
+
+__all__ = ["FusedExpertsParallel", "fused_experts", "is_fused_experts", "shard_fused_experts", "validate_fused_experts"]
+
+_FUSED = ("gate_up_proj", "down_proj")
+
+
+def is_fused_experts(m: nn.Module) -> bool:
+    """Hugging Face's fused-experts convention: 3-D ``gate_up_proj`` [E, 2F, H], ``down_proj`` [E, H, F]
+    and a forward taking ``(hidden_states, top_k_index, top_k_weights)``."""
+    gate_up, down = (getattr(m, n, None) for n in _FUSED)
+    if not (isinstance(gate_up, nn.Parameter) and isinstance(down, nn.Parameter)) or isinstance(m, FusedExpertsParallel):
+        return False
+    if gate_up.dim() != 3 or down.dim() != 3 or gate_up.size(0) != down.size(0):
+        return False
+    e, two_f, h = gate_up.shape
+    if tuple(down.shape[1:]) != (h, two_f // 2) or two_f % 2:
+        return False
+    return len(inspect.signature(m.forward).parameters) == 3
+
+
+def fused_experts(module: nn.Module) -> Iterator[tuple[str, nn.Module]]:
+    for name, m in module.named_modules():
+        if is_fused_experts(m):
+            yield name, m
+
+
+def validate_fused_experts(module: nn.Module, layout) -> None:
+    """Refuse, before any group exists, fused experts that ``layout`` cannot split exactly."""
+    if layout.ep == 1:
+        return
+    for name, m in fused_experts(module):
+        experts = m.gate_up_proj.size(0)
+        if experts % layout.ep:
+            raise MegatronConfigError(
+                f"ep={layout.ep}: the experts {name!r} hold {experts} experts, not divisible by ep (each expert-parallel "
+                f"rank holds whole experts). Use ep among the divisors of {experts}.")
+        if layout.etp != 1:
+            raise MegatronConfigError(
+                f"etp={layout.etp}: Hugging Face fused experts ({name!r}) are split over experts only; splitting each "
+                f"expert's FFN (expert tensor parallelism) is not supported for them. Pass etp=1 (it defaults to tp).")
+
+
+class FusedExpertsParallel(nn.Module):
+    """This rank's slice of a fused-experts module, fed by an all-to-all over the EP group."""
+
+    def __init__(self, original: nn.Module, *, ep_group, tp_group=None) -> None:
+        super().__init__()
+        ep, rank = group_world_size(ep_group), group_rank(ep_group)
+        self.num_experts = original.gate_up_proj.size(0)
+        self.num_local_experts = self.num_experts // ep
+        self.act_fn = original.act_fn
+        for name in _FUSED:
+            full: Tensor = getattr(original, name)
+            local = full.detach().narrow(0, rank * self.num_local_experts, self.num_local_experts).clone()
+            p = nn.Parameter(local, requires_grad=full.requires_grad)
+            setattr(p, EXPERT_ATTR, ExpertParamInfo(-1, name, None, ep_dim=0, ep_size=ep, ep_rank=rank))
+            setattr(self, name, p)
+        self.dispatcher = AllToAllDispatcher(self.num_experts, ep_group)
+        self._tp_group = tp_group
+
+    def _run_local_experts(self, rows: Tensor, tokens_per_expert: list[int]) -> Tensor:
+        # every local expert runs, also on zero rows, so each parameter gets a gradient every step
+        outs, start = [], 0
+        for e, n in enumerate(tokens_per_expert):
+            x = rows[start : start + int(n)]
+            gate, up = F.linear(x, self.gate_up_proj[e]).chunk(2, dim=-1)
+            outs.append(F.linear(self.act_fn(gate) * up, self.down_proj[e]))
+            start += int(n)
+        return torch.cat(outs, 0)
+
+    def forward(self, hidden_states: Tensor, top_k_index: Tensor, top_k_weights: Tensor) -> Tensor:
+        tokens, indices, weights = hidden_states, top_k_index, top_k_weights
+        split = group_world_size(self._tp_group) > 1
+        if split:  # every TP rank holds all tokens: each dispatches its share
+            tokens = split_tokens(hidden_states, self._tp_group)
+            weights = split_tokens(top_k_weights, self._tp_group)
+            indices = narrow_rows(top_k_index, self._tp_group)
+        rows, counts, state = self.dispatcher.dispatch(tokens, indices, weights)
+        out = self.dispatcher.combine(self._run_local_experts(rows, counts), state)
+        if split:
+            out = gather_tokens(out, hidden_states.size(0), self._tp_group)
+        return out.to(hidden_states.dtype)
+
+    def extra_repr(self) -> str:
+        return f"local experts {self.num_local_experts} of {self.num_experts} (ep={self.dispatcher.ep_size})"
+
+
+def shard_fused_experts(module: nn.Module, parallel_state) -> int:
+    """Replace every fused-experts module by its expert-parallel slice (``ep > 1``); returns how many."""
+    if parallel_state.ep_size == 1:
+        return 0
+    found = list(fused_experts(module))
+    for name, m in found:
+        parent_name, _, attr = name.rpartition(".")
+        parent = module.get_submodule(parent_name) if parent_name else module
+        setattr(parent, attr, FusedExpertsParallel(m, ep_group=parallel_state.ep_group, tp_group=parallel_state.tp_group))
+    return len(found)

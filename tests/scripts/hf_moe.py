@@ -1,0 +1,103 @@
+"""Hugging Face MoE decoders (fused experts) trained as a user writes them, on N processes.
+
+One launch trains every model of ``MODELS`` a few steps under ``DDPStrategy`` or
+``MegatronStrategy(ep=...)``, then saves a checkpoint. Rank 0 writes the per-step losses and the
+final weights (DDP: the module's state_dict; ours: consolidated from the sharded checkpoint) to
+``--out``-beside files, so the test compares training and the EP checkpoint's reassembly.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import lightning as L  # noqa: E402
+import torch  # noqa: E402
+from lightning.pytorch.strategies import DDPStrategy  # noqa: E402
+from torch.utils.data import DataLoader  # noqa: E402
+
+VOCAB, SEQ = 128, 16
+_SMALL = dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+              max_position_embeddings=64, output_router_logits=True, router_aux_loss_coef=0.02, tie_word_embeddings=False)
+MODELS = {
+    "mixtral": ("MixtralConfig", dict(intermediate_size=32, num_local_experts=4, num_experts_per_tok=2)),
+    "qwen3_moe": ("Qwen3MoeConfig", dict(intermediate_size=32, moe_intermediate_size=16, head_dim=8, num_experts=4,
+                                         num_experts_per_tok=2, decoder_sparse_step=1, norm_topk_prob=True)),
+    "olmoe": ("OlmoeConfig", dict(intermediate_size=16, num_experts=4, num_experts_per_tok=2)),
+}
+
+
+class CausalLM(L.LightningModule):
+    """An ordinary module: the Hugging Face model computes its loss (and the router's aux loss) from ``labels``."""
+
+    def __init__(self, arch: str):
+        super().__init__()
+        import transformers
+
+        name, extra = MODELS[arch]
+        self.model = transformers.AutoModelForCausalLM.from_config(getattr(transformers, name)(**_SMALL, **extra))
+
+    def training_step(self, batch, batch_idx):
+        loss = self.model(input_ids=batch, labels=batch).loss
+        self.log("train_loss", loss)
+        return loss
+
+    def configure_optimizers(self):
+        # plain SGD: unlike Adam it is sensitive to the gradient's scale, so a mis-scaled expert gradient shows
+        return torch.optim.SGD(self.parameters(), lr=0.5)
+
+    def train_dataloader(self):
+        data = torch.randint(0, VOCAB, (16, SEQ), generator=torch.Generator().manual_seed(7))
+        return DataLoader(list(data), batch_size=2)
+
+
+class LossRecorder(L.Callback):
+    def __init__(self):
+        self.losses: list[float] = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.losses.append(float(outputs["loss"]))
+
+
+def train(arch: str, strategy, ckpt: Path, devices: int) -> tuple[list[float], L.LightningModule, L.Trainer]:
+    L.seed_everything(0)
+    module, recorder = CausalLM(arch), LossRecorder()
+    trainer = L.Trainer(accelerator="cpu", devices=devices, strategy=strategy, max_steps=4,
+                        logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False, callbacks=[recorder])
+    trainer.fit(module)
+    trainer.save_checkpoint(ckpt)
+    return recorder.losses, module, trainer
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", required=True)
+    p.add_argument("--strategy", choices=["ddp", "megatron"], required=True)
+    p.add_argument("--ep", type=int, default=1)
+    args = p.parse_args()
+    out = Path(args.out)
+    devices, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])  # Lightning's teardown removes them
+    results = {}
+    for arch in MODELS:
+        if args.strategy == "ddp":
+            strategy = DDPStrategy(process_group_backend="gloo")
+        else:
+            from megastrategy import MegatronStrategy
+
+            strategy = MegatronStrategy(ep=args.ep, etp=1)
+        ckpt = out.parent / f"{arch}-{args.strategy}.ckpt"
+        losses, module, trainer = train(arch, strategy, ckpt, devices)
+        results[arch] = {"losses": losses, "checkpoint": str(ckpt),
+                         "local_experts": [tuple(p.shape) for n, p in module.named_parameters() if "gate_up_proj" in n][:1]}
+    if rank == 0:
+        out.write_text(json.dumps(results))
+
+
+if __name__ == "__main__":
+    main()

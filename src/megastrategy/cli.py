@@ -4,6 +4,7 @@
                              [--hf-class transformers.BertForSequenceClassification
                               --hf-config DIR [--prefix model.] --hf-out DIR]
     megastrategy info CKPT
+    megastrategy export CKPT OUT_DIR [--strip model.] [--hf-config DIR] [--max-shard-mb 2048]
     megastrategy check package.module:MyModule --devices 4 --tp 2 --pp 2 [--steps 5]
                        [--module-args JSON] [--datamodule package.module:MyData --datamodule-args JSON]
 
@@ -13,6 +14,9 @@ checkpoint (weights, epoch, hparams) for ``LightningModule.load_from_checkpoint`
 With ``--hf-class``/``--hf-config``/``--hf-out`` it also builds the Hugging Face model from
 the config directory, loads the keys under ``--prefix`` and ``save_pretrained``\\ s it.
 Runs in one process, no GPU or process group needed.
+
+``export`` streams the weights into safetensors shards of bounded size, one whole tensor at a time
+(never the whole model in memory); with ``--hf-config`` it adds the config, for ``from_pretrained``.
 
 ``check`` trains the module a few steps under ``DDPStrategy`` and under the layout, from the same
 seed, prints per-step loss and gradient-norm differences and exits 1 when they disagree.
@@ -56,6 +60,22 @@ def _info(args: argparse.Namespace) -> int:
     print(f"optimizers: {info.get('num_optimizers')}, pipeline stack: {info.get('stack_path')}")
     for name, m in model.items():
         print(f"  {name}: {tuple(m.size)} {m.properties.dtype} ({len(m.chunks)} chunk(s))")
+    return 0
+
+
+def _export(args: argparse.Namespace) -> int:
+    from megastrategy.checkpoint.sharded import MODEL, read_info
+    from megastrategy.checkpoint.streaming import write_safetensors_shards
+
+    read_info(args.ckpt)  # a clear error for a DCP checkpoint that megastrategy did not write
+    index = write_safetensors_shards(args.ckpt, args.out, prefix=MODEL, strip=args.strip,
+                                     max_shard_bytes=int(args.max_shard_mb * 1024**2))
+    if args.hf_config:
+        from transformers import AutoConfig
+
+        AutoConfig.from_pretrained(args.hf_config).save_pretrained(args.out)
+    files = sorted(set(index["weight_map"].values()))
+    print(f"{args.out}: {len(index['weight_map'])} tensors, {index['metadata']['total_size']:,} bytes in {len(files)} file(s)")
     return 0
 
 
@@ -112,6 +132,13 @@ def build_parser() -> argparse.ArgumentParser:
     i = sub.add_parser("info", help="print what a sharded checkpoint holds")
     i.add_argument("ckpt")
     i.set_defaults(fn=_info)
+    e = sub.add_parser("export", help="stream the weights into safetensors shards (Hugging Face layout)")
+    e.add_argument("ckpt", help="sharded checkpoint directory (written by MegatronStrategy)")
+    e.add_argument("out", help="output directory")
+    e.add_argument("--strip", default="", help="prefix removed from the names, e.g. 'model.' for self.model")
+    e.add_argument("--hf-config", help="a directory or config.json source: its config is saved beside the weights")
+    e.add_argument("--max-shard-mb", type=float, default=2048, help="largest shard file (a larger tensor gets its own)")
+    e.set_defaults(fn=_export)
     _add_check(sub)
     return p
 

@@ -44,7 +44,10 @@ def gpt_tp2_pp2() -> tuple[dict, Path]:
 
 @functools.lru_cache(maxsize=None)
 def bert_tp2() -> tuple[dict, Path]:
-    """Hugging Face BertForSequenceClassification (vocab 101) on tp=2: (result, checkpoint folder)."""
+    """Hugging Face BertForSequenceClassification (vocab 101) on tp=2: (result, checkpoint folder).
+
+    After fit the run also exports the model with ``strategy.export_hf`` into ``folder / "hf"``."""
     folder = _tmpdir("megastrategy-bert-tp2-")
-    result = run_script(SCRIPT, 2, BERT + ["--tp", "2", "--epochs", "2", "--ckpt-dir", str(folder)], timeout=400)
+    args = ["--tp", "2", "--epochs", "2", "--ckpt-dir", str(folder), "--export-hf", str(folder / "hf")]
+    result = run_script(SCRIPT, 2, BERT + args, timeout=400)
     return result, folder

@@ -86,6 +86,7 @@ def main() -> None:
     p.add_argument("--optimizer", choices=["adamw", "sgd"], default="adamw")
     p.add_argument("--n-train", type=int, default=64)
     p.add_argument("--save", help="save a checkpoint here after fit")
+    p.add_argument("--export-hf", help="after fit: strategy.export_hf(DIR) in small safetensors shards")
     p.add_argument("--resume", help="fit(ckpt_path=...) from here")
     p.add_argument("--eval", action="store_true", help="after fit: validate, test and predict")
     p.add_argument("--fail-rank", type=int, help="fault injection: this global rank fails")
@@ -205,6 +206,8 @@ def main() -> None:
         result["best_model_score"] = float(trainer.checkpoint_callback.best_model_score)
     if args.save:
         trainer.save_checkpoint(args.save)
+    if args.export_hf:
+        strategy.export_hf(args.export_hf, max_shard_bytes=16_000)  # small shards: several files for a tiny model
     if args.test_ckpt:
         result["test_ckpt"] = trainer.test(module, ckpt_path=args.test_ckpt, verbose=False)[0]["test_loss"]
     if args.eval:

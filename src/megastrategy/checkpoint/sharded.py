@@ -250,22 +250,14 @@ def merged_key_order(stage_orders: dict[int, list[str]], stack_path: Optional[st
 def load_full_model_state(path: PathLike, *, prefix: str = MODEL) -> dict[str, Tensor]:
     """Every model tensor, whole, in the user's names, shapes and ``state_dict`` order.
 
-    Needs no process group (reads the files directly); holds the full model in memory.
+    Needs no process group (reads the files directly); holds the full model in memory (for a
+    model too large for that, :mod:`megastrategy.checkpoint.streaming` reads one tensor at a time).
     """
+    from megastrategy.checkpoint.streaming import model_key_order
+
     md = read_metadata(path).state_dict_metadata
-    keys = [k for k in md if k.startswith(prefix)]
-    objects: dict[str, Any] = {k: template_for(md[k]) for k in keys}
-    order_keys = [k for k in md if k.startswith(ORDER_PREFIX)]
-    objects.update({k: None for k in order_keys + ([INFO_KEY] if INFO_KEY in md else [])})
-    loaded = load_state(path, objects)
-    info = loaded.get(INFO_KEY) or {}
-    by_stage: dict[int, list[list[str]]] = {}
-    for k in sorted(order_keys, key=lambda k: int(k[len(ORDER_PREFIX) :])):  # by global rank
-        entry = loaded[k]
-        by_stage.setdefault(int(entry["pp"]), []).append([prefix + n for n in entry["keys"]])
-    stages = {pp: merge_orders(lists) for pp, lists in by_stage.items()}
-    order = [k for k in merged_key_order(stages, info.get("stack_path")) if k in md]
-    order += [k for k in keys if k not in set(order)]
+    order = model_key_order(path, prefix)
+    loaded = load_state(path, {k: template_for(md[k]) for k in order})
     return {k[len(prefix) :]: loaded[k] for k in order}
 
 

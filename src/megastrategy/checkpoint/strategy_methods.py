@@ -7,9 +7,12 @@ entry points to it.
 """
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any, Optional
 
 from megastrategy.checkpoint.dcp_io import remove_checkpoint_dir
+from megastrategy.checkpoint.sharded import MODEL
+from megastrategy.checkpoint.streaming import DEFAULT_SHARD_BYTES, write_safetensors_shards
 
 __all__ = ["CheckpointMethods"]
 
@@ -33,3 +36,35 @@ class CheckpointMethods:
     def remove_checkpoint(self, filepath) -> None:
         if self.is_global_zero:
             remove_checkpoint_dir(filepath)
+
+    def export_safetensors(self, out_dir, *, strip: str = "", max_shard_bytes: int = DEFAULT_SHARD_BYTES) -> None:
+        """Collective, one call from the running job: the model's weights, whole and in the user's
+        names (``strip`` removed), as safetensors shards of at most ``max_shard_bytes`` in ``out_dir``.
+
+        Every rank writes its own shards to a staging checkpoint beside ``out_dir`` (no gather);
+        rank 0 then assembles one tensor at a time, so no process ever holds the whole model.
+        """
+        out = Path(out_dir)
+        staging = out.with_name(out.name + ".staging")
+        self.checkpoints.save(self.lightning_module, lambda: [], {}, staging,
+                              lambda: self.barrier("megastrategy.export"))
+        try:
+            if self.is_global_zero:
+                write_safetensors_shards(staging, out, prefix=MODEL, strip=strip, max_shard_bytes=max_shard_bytes)
+            self.barrier("megastrategy.export")
+        finally:
+            self.remove_checkpoint(staging)
+
+    def export_hf(self, out_dir, *, model_attr: str = "model", max_shard_bytes: int = DEFAULT_SHARD_BYTES) -> None:
+        """Collective: the Hugging Face model the module holds as ``self.<model_attr>``, written as
+        ``from_pretrained`` reads it (its config and safetensors shards), straight from the ranks."""
+        model = getattr(self.lightning_module, model_attr, None)
+        config = getattr(model, "config", None)
+        if config is None or not hasattr(config, "save_pretrained"):
+            raise ValueError(f"export_hf: the module's {model_attr!r} is not a Hugging Face model (no .config); "
+                             "pass model_attr= naming the attribute that holds it, or use export_safetensors().")
+        self.export_safetensors(out_dir, strip=f"{model_attr}.", max_shard_bytes=max_shard_bytes)
+        if self.is_global_zero:
+            config.save_pretrained(str(out_dir))
+            if getattr(model, "generation_config", None) is not None and hasattr(model, "can_generate") and model.can_generate():
+                model.generation_config.save_pretrained(str(out_dir))

@@ -41,7 +41,6 @@ ARCHITECTURES = {  # name: (config class, auto class, config arguments beyond CO
     "phi3": ("Phi3Config", LM, dict(num_key_value_heads=2)),
     "qwen2": ("Qwen2Config", LM, dict(num_key_value_heads=2)),
     "mistral": ("MistralConfig", LM, dict(num_key_value_heads=2)),
-    "t5": ("T5Config", "AutoModelForSeq2SeqLM", dict(d_model=32, d_ff=64, num_layers=LAYERS, num_heads=4, d_kv=8)),
 }
 
 
@@ -82,7 +81,7 @@ class HFModule(L.LightningModule):
         return out.loss
 
     def configure_optimizers(self):
-        return torch.optim.AdamW(self.parameters(), lr=3e-3)
+        return torch.optim.AdamW(self.parameters(), lr=2e-2)
 
     def train_dataloader(self):
         return DataLoader(Tokens(), batch_size=4)
@@ -120,7 +119,7 @@ def main() -> None:
     p.add_argument("--models", required=True, help="comma-separated names of ARCHITECTURES")
     p.add_argument("--pp", type=int, default=2)
     p.add_argument("--vp", type=int, default=None)
-    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--steps", type=int, default=4)
     args = p.parse_args()
     args.devices, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])  # read once: a fit may change them
     torch.set_num_threads(1)

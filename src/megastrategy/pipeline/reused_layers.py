@@ -82,4 +82,6 @@ class _Application:
         return self._layers.run(self._index, args, kwargs)
 
     def __getattr__(self, name: str) -> Any:  # attributes of the block itself (e.g. its config)
-        return getattr(self._layers._stand_ins[self._index]._meta[0], name)
+        layers, index = self.__dict__["_layers"], self.__dict__["_index"]
+        block = layers._modules.get(str(index)) or layers._stand_ins[index]._meta[0]
+        return getattr(block, name)

@@ -58,11 +58,11 @@ def test_albert_applies_its_one_shared_block_once_per_layer():
 def test_dry_run_leaves_the_model_and_the_random_state_alone():
     import torch
 
-    hf = transformers.LlamaForCausalLM(transformers.LlamaConfig(**TINY, num_key_value_heads=1))
+    hf = transformers.LlamaForCausalLM(transformers.LlamaConfig(**TINY, num_key_value_heads=1, pad_token_id=0))
     before = {k: v.clone() for k, v in hf.state_dict().items()}
     state = torch.random.get_rng_state()
-    _order(hf)
-    assert torch.equal(state, torch.random.get_rng_state())
+    assert _order(hf)[2] is not None
+    assert torch.equal(state, torch.random.get_rng_state()) and hf.config.pad_token_id == 0
     assert all(torch.equal(before[k], v) and v.device.type == "cpu" for k, v in hf.state_dict().items())
 
 
@@ -70,3 +70,14 @@ def test_a_model_without_hugging_face_keeps_registration_order():
     module = GPT(n_layer=4)
     path, _ = find_layer_stack(module)
     assert record_forward_order(module, path) is None
+
+
+def test_the_dry_run_sees_every_architecture_of_the_pipeline_matrix():
+    from tests.scripts.train_hf_stages import ARCHITECTURES, HFModule
+
+    for name in ARCHITECTURES:
+        module = HFModule(name)
+        path, _ = find_layer_stack(module)
+        order = record_forward_order(module, path)
+        assert order is not None and order.carried == (), name
+        assert len(order.stack_calls) == 4, (name, order.stack_calls)

@@ -10,12 +10,12 @@ applies one shared block N times). Nothing real is computed and no random number
 from __future__ import annotations
 
 import copy
+import inspect
 from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_map
 
 from megastrategy.anatomy import find_hf_model
 
@@ -28,6 +28,7 @@ class ForwardOrder:
 
     called: dict[str, frozenset[str]]  # module name -> {"before"} / {"after"} / both, relative to the stack
     stack_calls: tuple[int, ...]  # the block index of each application of the stack, in order
+    carried: tuple[str, ...] = ()  # arguments a block takes from the previous block's extra outputs
 
     @property
     def reuses_blocks(self) -> bool:
@@ -53,7 +54,11 @@ def record_forward_order(module: nn.Module, stack_path: str) -> Optional[Forward
         return None
     try:
         twin = meta_copy(hf)
-        inputs = tree_map(lambda t: t.to("meta") if isinstance(t, torch.Tensor) else t, dict(hf.dummy_inputs))
+        accepted = inspect.signature(hf.forward).parameters
+        inputs = {k: v.to("meta") if isinstance(v, torch.Tensor) else v for k, v in dict(hf.dummy_inputs).items()
+                  if k in accepted}  # T5EncoderModel's dummy inputs include the decoder's
+        if getattr(twin, "config", None) is not None:  # the copy's own config: no pad-token check reading values
+            twin.config.pad_token_id = None
     except Exception:  # noqa: BLE001 - an uncopyable model keeps registration order
         return None
     return _run(twin, inputs, prefix, stack_path[len(prefix):])
@@ -74,6 +79,7 @@ def _run(twin: nn.Module, inputs: dict, prefix: str, stack_rel: str) -> Optional
         return hook
 
     handles = [m.register_forward_pre_hook(on_call(n)) for n, m in twin.named_modules() if n]
+    carried = _watch_carried(stack, handles)
     try:
         with torch.no_grad(), torch.random.fork_rng(devices=[]):
             twin(**inputs)
@@ -91,4 +97,27 @@ def _run(twin: nn.Module, inputs: dict, prefix: str, stack_rel: str) -> Optional
         for depth in range(1, len(parts) + 1):  # the module and every ancestor ran then
             if where is not None:
                 called.setdefault(prefix + ".".join(parts[:depth]), set()).add(where)
-    return ForwardOrder({k: frozenset(v) for k, v in called.items()}, tuple(stack_calls))
+    return ForwardOrder({k: frozenset(v) for k, v in called.items()}, tuple(stack_calls), tuple(sorted(carried)))
+
+
+def _watch_carried(stack: nn.ModuleList, handles: list) -> set[str]:
+    """Hooks that collect the names of the arguments a block receives from the previous block's
+    outputs other than the hidden state (T5's ``position_bias``): a stage boundary would drop them."""
+    extra_outputs: set[int] = set()
+    carried: set[str] = set()
+
+    def before(block, args, kwargs):
+        params = list(inspect.signature(block.forward).parameters)
+        named = [(params[i] if i < len(params) else f"argument {i}", a) for i, a in enumerate(args)]
+        named += list(kwargs.items())
+        carried.update(name for name, value in named if isinstance(value, torch.Tensor) and id(value) in extra_outputs)
+
+    def after(block, args, output):
+        extra_outputs.clear()
+        values = list(output.values()) if isinstance(output, dict) else list(output) if isinstance(output, (tuple, list)) else []
+        extra_outputs.update(id(v) for v in values[1:] if isinstance(v, torch.Tensor))
+
+    for block in stack:
+        handles.append(block.register_forward_pre_hook(before, with_kwargs=True))
+        handles.append(block.register_forward_hook(after))
+    return carried

@@ -4,7 +4,8 @@ pp4) with the per-step losses of Lightning's DDPStrategy on one process, from th
 
 One launch per layout trains all its models (tests/scripts/train_hf_stages.py). The matrix covers
 what used to fail: OPT and XLM-R call modules in another order than they register them, ALBERT
-applies one shared block N times, rotary models compute position embeddings before the stack.
+applies one shared block N times, rotary models compute position embeddings before the stack, and
+T5's encoder blocks hand each other the position bias block 0 computes.
 """
 from functools import lru_cache
 from pathlib import Path
@@ -18,8 +19,8 @@ TOL = 2e-4
 pytestmark = pytest.mark.slow
 
 ALL = ("bert", "roberta", "xlm-roberta", "distilbert", "electra", "albert", "opt", "gpt2", "gpt-neox", "llama",
-       "gemma", "phi3", "qwen2", "mistral")
-FEW = ("albert", "opt", "xlm-roberta", "llama")
+       "gemma", "phi3", "qwen2", "mistral", "t5-encoder")
+FEW = ("albert", "opt", "xlm-roberta", "llama", "t5-encoder")
 LAYOUTS = {  # name: (processes, strategy arguments, models)
     "pp2": (2, ("--pp", "2"), ALL),
     "pp2-vp2": (2, ("--pp", "2", "--vp", "2"), FEW),

@@ -41,6 +41,8 @@ ARCHITECTURES = {  # name: (config class, auto class, config arguments beyond CO
     "phi3": ("Phi3Config", LM, dict(num_key_value_heads=2)),
     "qwen2": ("Qwen2Config", LM, dict(num_key_value_heads=2)),
     "mistral": ("MistralConfig", LM, dict(num_key_value_heads=2)),
+    # no loss of its own: the module adds a head (its blocks hand each other T5's position bias)
+    "t5-encoder": ("T5Config", "T5EncoderModel", dict(d_model=32, d_ff=64, num_layers=LAYERS, num_heads=4, d_kv=8)),
 }
 
 
@@ -72,9 +74,16 @@ class HFModule(L.LightningModule):
     def __init__(self, name: str):
         super().__init__()
         self.causal = ARCHITECTURES[name][1] == LM
-        self.model = getattr(transformers, ARCHITECTURES[name][1]).from_config(build_config(name))
+        cls = getattr(transformers, ARCHITECTURES[name][1])
+        self.model = cls.from_config(build_config(name)) if cls.__name__.startswith("Auto") else cls(build_config(name))
+        self.head = torch.nn.Linear(32, 3) if name == "t5-encoder" else None
 
     def training_step(self, batch, batch_idx):
+        if self.head is not None:  # an encoder without a loss: the user's own head and loss
+            hidden = self.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).last_hidden_state
+            loss = torch.nn.functional.cross_entropy(self.head(hidden.mean(1)), batch["label"])
+            self.log("train_loss", loss)
+            return loss
         labels = batch["input_ids"] if self.causal else batch["label"]
         out = self.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], labels=labels)
         self.log("train_loss", out.loss)

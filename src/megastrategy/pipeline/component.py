@@ -50,12 +50,6 @@ class Pipeline(Component):
             )
         anatomy = ModelAnatomy.of(module, self.pipeline_layers)
         order = self._forward_order(module, anatomy.stack_path)
-        if order is not None and order.carried:
-            raise MegatronConfigError(
-                f"pp={self.pp} with {type(hf).__name__}: its blocks ({anatomy.stack_path}) pass "
-                f"{', '.join(order.carried)} from one block to the next besides the hidden state, and a pipeline stage "
-                "sends the next one only the hidden state. Use pp=1 with tp, cp and data parallelism for this model."
-            )
         assign_layers(len(order.stack_calls) if order is not None else len(anatomy.stack), self.pp, self.vp)
         if self.vp > 1:
             validate_schedule(self.num_microbatches, self.pp, self.vp)
@@ -82,6 +76,7 @@ class Pipeline(Component):
             vp_size=self.vp,
             anatomy=anatomy,
             stack_calls=stack_calls,
+            carried=order.carried if order is not None else (),
         )
         self._shared = ctx.stage.shared_layer_parameters
         shared = {id(p) for p in self._shared}

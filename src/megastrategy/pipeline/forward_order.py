@@ -19,7 +19,7 @@ from torch import nn
 
 from megastrategy.anatomy import find_hf_model
 
-__all__ = ["ForwardOrder", "meta_copy", "record_forward_order"]
+__all__ = ["ForwardOrder", "block_outputs", "meta_copy", "record_forward_order"]
 
 
 @dataclass(frozen=True)
@@ -28,7 +28,8 @@ class ForwardOrder:
 
     called: dict[str, frozenset[str]]  # module name -> {"before"} / {"after"} / both, relative to the stack
     stack_calls: tuple[int, ...]  # the block index of each application of the stack, in order
-    carried: tuple[str, ...] = ()  # arguments a block takes from the previous block's extra outputs
+    carried: tuple[tuple[int, str], ...] = ()  # (output index, argument name): what a block takes from the
+    # previous block's outputs besides the hidden state (output 0), e.g. T5's ``position_bias``
 
     @property
     def reuses_blocks(self) -> bool:
@@ -100,22 +101,29 @@ def _run(twin: nn.Module, inputs: dict, prefix: str, stack_rel: str) -> Optional
     return ForwardOrder({k: frozenset(v) for k, v in called.items()}, tuple(stack_calls), tuple(sorted(carried)))
 
 
-def _watch_carried(stack: nn.ModuleList, handles: list) -> set[str]:
-    """Hooks that collect the names of the arguments a block receives from the previous block's
-    outputs other than the hidden state (T5's ``position_bias``): a stage boundary would drop them."""
-    extra_outputs: set[int] = set()
-    carried: set[str] = set()
+def block_outputs(output: Any) -> list:
+    """A block's outputs in order: a tuple's (or a ModelOutput's) entries, or the one tensor."""
+    if isinstance(output, dict):
+        return list(output.values())
+    return list(output) if isinstance(output, (tuple, list)) else [output]
+
+
+def _watch_carried(stack: nn.ModuleList, handles: list) -> set[tuple[int, str]]:
+    """Hooks that collect which of a block's outputs besides the hidden state the next block takes,
+    and as which argument (T5's ``position_bias``): the stage boundary must carry them."""
+    extra_outputs: dict[int, int] = {}  # id of an output tensor -> its index among the outputs
+    carried: set[tuple[int, str]] = set()
 
     def before(block, args, kwargs):
         params = list(inspect.signature(block.forward).parameters)
         named = [(params[i] if i < len(params) else f"argument {i}", a) for i, a in enumerate(args)]
         named += list(kwargs.items())
-        carried.update(name for name, value in named if isinstance(value, torch.Tensor) and id(value) in extra_outputs)
+        carried.update((extra_outputs[id(v)], name) for name, v in named if isinstance(v, torch.Tensor) and id(v) in extra_outputs)
 
     def after(block, args, output):
         extra_outputs.clear()
-        values = list(output.values()) if isinstance(output, dict) else list(output) if isinstance(output, (tuple, list)) else []
-        extra_outputs.update(id(v) for v in values[1:] if isinstance(v, torch.Tensor))
+        values = block_outputs(output)
+        extra_outputs.update((id(v), i) for i, v in enumerate(values) if i > 0 and isinstance(v, torch.Tensor))
 
     for block in stack:
         handles.append(block.register_forward_pre_hook(before, with_kwargs=True))

@@ -64,9 +64,10 @@ class ReusedLayers(nn.ModuleList):
             return self._stand_ins[index](*args, **kwargs)
         if k > share[-1]:
             raise MegatronConfigError(f"{stage.stack_path}: application {k} ran after this stage's share {share}.")
+        block = self._modules[str(index)]
         if k == share[0]:
-            args, kwargs = stage.substitute_input(args, kwargs)
-        out = self._modules[str(index)](*args, **kwargs)
+            args, kwargs = stage.substitute_input(block, args, kwargs)
+        out = block(*args, **kwargs)
         if k == share[-1]:
             stage.end_of_chunk(out)
         return out

@@ -13,6 +13,7 @@ The user's own ``forward``/``training_step`` runs on every stage. What changes i
 """
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass, field
 from typing import Any, Iterator, Optional
 
@@ -23,7 +24,8 @@ from torch.utils._pytree import tree_map
 from megastrategy.anatomy import ModelAnatomy, find_layer_stack, get_submodule_path
 from megastrategy.batch_tree import flatten_batch, unflatten_batch
 from megastrategy.errors import MegatronConfigError
-from megastrategy.pipeline.forward_order import meta_copy
+from megastrategy.pipeline.boundary_pack import pack, unpack
+from megastrategy.pipeline.forward_order import block_outputs, meta_copy
 from megastrategy.pipeline.reused_layers import ReusedLayers
 
 __all__ = ["PipelineStage", "StageBoundary", "cut_stage", "find_layer_stack", "iter_microbatches"]
@@ -123,6 +125,7 @@ class PipelineStage:
     tied_parameters: list[nn.Parameter] = field(default_factory=list)  # every copy kept equal to another stage's
     shared_layer_parameters: list[nn.Parameter] = field(default_factory=list)  # of blocks applied on several stages
     stack_calls: Optional[tuple[int, ...]] = None  # block of each application, when blocks are reused
+    carried: tuple[tuple[int, str], ...] = ()  # (output index, argument) a block hands the next besides the hidden
     _chunk_swaps: list[list[_Swap]] = field(default_factory=list)
     _resting_swaps: list[_Swap] = field(default_factory=list)
     _pending_input: Optional[torch.Tensor] = None
@@ -162,15 +165,26 @@ class PipelineStage:
         self._applications += 1
         return self._applications - 1
 
-    def substitute_input(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-        """The first local block's arguments with the previous stage's activation as its input."""
+    def substitute_input(self, block: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        """The first local block's arguments with the previous stage's activation as its input
+        (and what else the previous block handed over, see :mod:`.boundary_pack`)."""
         if self._pending_input is None:
             return args, kwargs
         x, self._pending_input = self._pending_input, None
+        extras: list = []
+        if self.carried:
+            x, *extras = unpack(x, 1 + len(self.carried))
         if args:
-            return (x, *args[1:]), kwargs
-        first = next(iter(kwargs))
-        return args, {**kwargs, first: x}
+            args, kwargs = (x, *args[1:]), dict(kwargs)
+        else:
+            kwargs = {**kwargs, next(iter(kwargs)): x}
+        params = list(inspect.signature(block.forward).parameters)
+        for (_, name), value in zip(self.carried, extras):
+            if name not in kwargs and name in params and params.index(name) < len(args):
+                args = tuple(value if i == params.index(name) else a for i, a in enumerate(args))
+            else:
+                kwargs[name] = value
+        return args, kwargs
 
     def end_of_chunk(self, output: Any) -> None:
         """After the chunk's last block: end the forward with its hidden state, unless the chunk
@@ -178,18 +192,20 @@ class PipelineStage:
         self._stack_finished = True
         if self.is_last_virtual(self._active_chunk):
             return
-        hidden = output[0] if isinstance(output, (tuple, list)) else output
-        if not isinstance(hidden, torch.Tensor):
+        values = block_outputs(output)
+        if not isinstance(values[0], torch.Tensor):
             raise MegatronConfigError(
                 f"the blocks of {self.stack_path} return {type(output).__name__}; pipeline stages need a tensor "
                 "(or a tuple whose first element is the hidden-state tensor) to send to the next stage."
             )
-        raise StageBoundary(hidden)
+        if not self.carried:
+            raise StageBoundary(values[0])
+        raise StageBoundary(pack([values[0]] + [values[i] for i, _ in self.carried]))
 
     def _pre_hook(self, module, args, kwargs):
         if self._active_chunk is None or self._pending_input is None:
             return None
-        return self.substitute_input(args, kwargs)
+        return self.substitute_input(module, args, kwargs)
 
     def _post_hook(self, module, args, output):
         if self._active_chunk is not None:
@@ -228,16 +244,18 @@ def cut_stage(
     vp_size: int,
     anatomy: Optional[ModelAnatomy] = None,
     stack_calls: Optional[tuple[int, ...]] = None,
+    carried: tuple[tuple[int, str], ...] = (),
 ) -> PipelineStage:
     """Rewrite ``module`` in place into this rank's stage and return the handle that drives it.
 
     ``assignment`` splits the stack's blocks, or, with ``stack_calls`` (the block of each
-    application, when the forward reuses blocks), the applications.
+    application, when the forward reuses blocks), the applications. ``carried``: the outputs a
+    block hands the next one besides the hidden state (from the dry run), sent along with it.
     """
     anatomy = anatomy or ModelAnatomy.of(module, stack_path)
     chunks = assignment[pp_rank]
     stage = PipelineStage(stack_path=stack_path, chunks=chunks, pp_rank=pp_rank, pp_size=pp_size, vp_size=vp_size,
-                          stack_calls=stack_calls)
+                          stack_calls=stack_calls, carried=tuple(carried))
     parent_path, _, stack_attr = stack_path.rpartition(".")
     stack_parent = get_submodule_path(module, parent_path) if parent_path else module
     holds_first, holds_last = pp_rank == 0, pp_rank == pp_size - 1

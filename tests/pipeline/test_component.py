@@ -40,3 +40,16 @@ def test_albert_is_split_by_applications_of_its_shared_block():
     with pytest.raises(MegatronConfigError, match="num_layers=4 cannot be split evenly into pp_size=3"):
         Pipeline(MegatronConfig(pp=3)).validate(module, None)
 
+
+
+def test_router_load_balancing_loss_over_all_layers_is_refused_under_pp():
+    import transformers
+
+    config = transformers.MixtralConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                                        num_attention_heads=2, num_key_value_heads=1, num_local_experts=2,
+                                        output_router_logits=True)
+    module = transformers.MixtralForCausalLM(config)
+    with pytest.raises(MegatronConfigError, match=r"output_router_logits=True.*Set config.output_router_logits=False"):
+        Pipeline(MegatronConfig(pp=2)).validate(module, None)
+    module.config.output_router_logits = False
+    Pipeline(MegatronConfig(pp=2)).validate(module, None)

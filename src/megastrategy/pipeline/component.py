@@ -41,13 +41,7 @@ class Pipeline(Component):
                 "backward itself, interleaved with the other stages, so manual_backward cannot be honoured. "
                 "Use automatic optimization with pp > 1, or pp=1 for manual optimization."
             )
-        hf = find_hf_model(module)[1]
-        if getattr(getattr(hf, "config", None), "is_encoder_decoder", False):
-            raise MegatronConfigError(
-                f"pp={self.pp} with the encoder-decoder {type(hf).__name__}: pipeline stages cut "
-                "one stack of blocks, and an encoder-decoder has two (the decoder's blocks also read the encoder's "
-                "output). Use pp=1 with tp, cp and data parallelism for it."
-            )
+        _refuse_what_stages_cannot_split(find_hf_model(module)[1], self.pp)
         anatomy = ModelAnatomy.of(module, self.pipeline_layers)
         order = self._forward_order(module, anatomy.stack_path)
         assign_layers(len(order.stack_calls) if order is not None else len(anatomy.stack), self.pp, self.vp)
@@ -92,3 +86,20 @@ class Pipeline(Component):
         for p in self._shared:
             dist.all_reduce(p.main_grad, group=self._pp_group)
         return True
+
+
+def _refuse_what_stages_cannot_split(hf: Optional[nn.Module], pp: int) -> None:
+    """Hugging Face models whose forward needs more than one stage's blocks in one place."""
+    config = getattr(hf, "config", None)
+    if getattr(config, "is_encoder_decoder", False):
+        raise MegatronConfigError(
+            f"pp={pp} with the encoder-decoder {type(hf).__name__}: pipeline stages cut "
+            "one stack of blocks, and an encoder-decoder has two (the decoder's blocks also read the encoder's "
+            "output). Use pp=1 with tp, cp and data parallelism for it."
+        )
+    if getattr(config, "output_router_logits", False):
+        raise MegatronConfigError(
+            f"pp={pp} with {type(hf).__name__} and output_router_logits=True: its load-balancing loss is computed "
+            "after the stack from every layer's router logits, and under pp the last stage holds only its own "
+            "layers. Set config.output_router_logits=False (training without that loss), or use pp=1."
+        )

@@ -38,3 +38,26 @@ def test_without_a_plan_the_longest_list_of_identical_blocks_is_the_stack():
     bert = transformers.BertForSequenceClassification(transformers.BertConfig(**{k: v for k, v in TINY.items() if k != "num_key_value_heads"}))
     assert pp_plan_stack(bert) is None
     assert find_layer_stack(bert)[0] == "bert.encoder.layer"
+
+
+class Shared(nn.Module):
+    """A norm the forward applies before and after the blocks (registered after them)."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(10, 4)
+        self.blocks = nn.ModuleList(nn.Linear(4, 4) for _ in range(2))
+        self.norm = nn.LayerNorm(4)
+        self.head = nn.Linear(4, 3)
+
+
+def test_a_module_called_on_both_sides_of_the_stack_is_tied_between_first_and_last_stage():
+    from megastrategy.anatomy import ModelAnatomy
+
+    module = Shared()
+    by_registration = ModelAnatomy.of(module, "blocks")
+    assert [o.name for o in by_registration.pre] == ["embed"] and not by_registration.tied_parameters
+    called = {"embed": frozenset({"before"}), "norm": frozenset({"before", "after"}), "head": frozenset({"after"})}
+    anatomy = ModelAnatomy.of(module, "blocks", called)
+    assert [o.name for o in anatomy.pre] == ["embed", "norm"] and [o.name for o in anatomy.post] == ["norm", "head"]
+    assert {id(p) for p in anatomy.tied_parameters} == {id(p) for p in module.norm.parameters()}

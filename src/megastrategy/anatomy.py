@@ -91,7 +91,7 @@ def find_layer_stack(module: nn.Module, pipeline_layers: Optional[str] = None) -
 
 @dataclass(frozen=True)
 class OutsideModule:
-    """A maximal subtree with parameters registered before or after the stack."""
+    """A maximal subtree with parameters beside the stack (run before or after it)."""
 
     name: str
     parent: nn.Module

@@ -6,10 +6,13 @@ The user's own ``forward``/``training_step`` runs on every stage. What changes i
 - the first local block of a chunk takes its input from the previous stage (a forward pre-hook
   substitutes it), and the last local block ends the forward by raising :class:`StageBoundary`
   with its output, unless the chunk is the last virtual stage;
-- modules registered before the stack exist for real only where the first virtual stage runs,
-  and those registered after it only where the last one runs; elsewhere cheap stand-ins
-  without parameters take their place, so memory is really split. Side inputs (masks,
-  positions) are still recomputed from the microbatch on every stage by the user's code.
+- modules the forward calls before the stack (:mod:`.forward_order`; else those registered
+  before it) exist for real only where the first virtual stage runs, and those called after it
+  only where the last one runs; elsewhere cheap stand-ins without parameters take their place,
+  so memory is really split. Side inputs (masks, positions) are still recomputed from the
+  microbatch on every stage by the user's code; what a block hands the next one besides the
+  hidden state crosses the boundary with it (:mod:`.boundary_pack`);
+- a block the forward applies several times is split by applications (:mod:`.reused_layers`).
 """
 from __future__ import annotations
 
@@ -215,13 +218,10 @@ class PipelineStage:
 def _outside_swaps(anatomy: ModelAnatomy, stage: PipelineStage, first: bool, last: bool) -> list[_Swap]:
     """What a chunk that is (or is not) the first/last virtual stage runs in place of each outside
     module: the real one where the forward calls it on this chunk, a stand-in elsewhere."""
-    post_names = {o.name for o in anatomy.post}
-    swaps, seen = [], set()
-    for o in anatomy.pre + anatomy.post:
-        if o.name in seen:
-            continue
-        seen.add(o.name)
-        runs_before, runs_after = any(p.name == o.name for p in anatomy.pre), o.name in post_names
+    pre_names, post_names = {o.name for o in anatomy.pre}, {o.name for o in anatomy.post}
+    swaps = []
+    for o in anatomy.pre + [o for o in anatomy.post if o.name not in pre_names]:
+        runs_before, runs_after = o.name in pre_names, o.name in post_names
         if (first and runs_before) or (last and runs_after):
             swaps.append(_Swap(o.parent, o.attr, o.module))
         elif runs_before:

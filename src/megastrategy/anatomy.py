@@ -8,13 +8,16 @@ so every component can be handed one :class:`ModelAnatomy` instead of searching 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Mapping, Optional
 
 from torch import nn
 
 from megastrategy.errors import MegatronConfigError
 
-__all__ = ["ModelAnatomy", "OutsideModule", "find_layer_stack", "get_submodule_path", "outside_modules"]
+__all__ = [
+    "ModelAnatomy", "OutsideModule", "find_hf_model", "find_layer_stack", "get_submodule_path", "outside_modules",
+    "pp_plan_stack",
+]
 
 
 def get_submodule_path(module: nn.Module, path: str) -> nn.Module:
@@ -31,11 +34,40 @@ def get_submodule_path(module: nn.Module, path: str) -> nn.Module:
     return m
 
 
+def find_hf_model(module: nn.Module) -> tuple[str, Optional[nn.Module]]:
+    """The outermost Hugging Face ``PreTrainedModel`` inside ``module`` and its dotted path
+    (``""`` for ``module`` itself), or ``("", None)``; found by type name so that transformers stays optional."""
+    for name, m in module.named_modules():
+        if any(c.__name__ == "PreTrainedModel" for c in type(m).__mro__) and hasattr(m, "config"):
+            return name, m
+    return "", None
+
+
+def pp_plan_stack(module: nn.Module) -> Optional[str]:
+    """The layer stack named by the Hugging Face config's ``base_model_pp_plan``, or ``None``.
+
+    The plan maps the base model's children, in forward order, to their (inputs, outputs); the one
+    child that is an ``nn.ModuleList`` is the stack of blocks (``"layers"`` for Llama).
+    """
+    hf_path, hf = find_hf_model(module)
+    plan = getattr(getattr(hf, "config", None), "base_model_pp_plan", None) if hf is not None else None
+    if not plan:
+        return None
+    base = getattr(hf, "base_model", hf)
+    base_path = next((name for name, m in hf.named_modules() if m is base), "")
+    for child in plan:
+        if isinstance(getattr(base, child, None), nn.ModuleList) and len(getattr(base, child)) > 0:
+            return ".".join(p for p in (hf_path, base_path, child) if p)
+    return None
+
+
 def find_layer_stack(module: nn.Module, pipeline_layers: Optional[str] = None) -> tuple[str, nn.ModuleList]:
     """The dotted path and the ``nn.ModuleList`` of blocks to split over pipeline stages.
 
-    Without ``pipeline_layers`` this is the longest ``ModuleList`` whose entries are all of one type.
+    ``pipeline_layers`` wins; then the Hugging Face config's ``base_model_pp_plan``; then the
+    longest ``ModuleList`` whose entries are all of one type.
     """
+    pipeline_layers = pipeline_layers or pp_plan_stack(module)
     if pipeline_layers is not None:
         stack = get_submodule_path(module, pipeline_layers)
         if not isinstance(stack, nn.ModuleList):
@@ -59,7 +91,7 @@ def find_layer_stack(module: nn.Module, pipeline_layers: Optional[str] = None) -
 
 @dataclass(frozen=True)
 class OutsideModule:
-    """A maximal subtree with parameters registered before or after the stack."""
+    """A maximal subtree with parameters beside the stack (run before or after it)."""
 
     name: str
     parent: nn.Module
@@ -67,12 +99,18 @@ class OutsideModule:
     attr: str
 
 
-def outside_modules(root: nn.Module, stack_path: str) -> tuple[list[OutsideModule], list[OutsideModule]]:
-    """(pre, post): the parameter-holding subtrees registered before/after the stack.
+def outside_modules(
+    root: nn.Module, stack_path: str, called: Optional[Mapping[str, frozenset[str]]] = None
+) -> tuple[list[OutsideModule], list[OutsideModule]]:
+    """(pre, post): the parameter-holding subtrees that run before/after the stack.
 
-    Registration order is the contract: what is registered before the stack runs before it.
+    ``called`` (from a dry run of the forward, :mod:`megastrategy.pipeline.forward_order`) maps a
+    subtree's name to where the forward called it: ``{"before"}``, ``{"after"}`` or both (then it
+    is in both lists, and its parameters are tied between the first and last stage). Subtrees the
+    dry run did not see fall back to registration order: registered before the stack runs before it.
     Parameter-free modules (dropout, rotary tables) are in neither list: they run everywhere.
     """
+    called = called or {}
     pre: list[OutsideModule] = []
     post: list[OutsideModule] = []
     parent, prefix = root, ""
@@ -85,7 +123,11 @@ def outside_modules(root: nn.Module, stack_path: str) -> tuple[list[OutsideModul
                 seen_path_child = True
                 continue
             if any(True for _ in child.parameters()):
-                (post if seen_path_child else pre).append(OutsideModule(f"{prefix}{attr}", parent, child, attr))
+                name = f"{prefix}{attr}"
+                where = called.get(name) or {"after" if seen_path_child else "before"}
+                outside = OutsideModule(name, parent, child, attr)
+                pre += [outside] if "before" in where else []
+                post += [outside] if "after" in where else []
         parent, prefix = getattr(parent, part), f"{prefix}{part}."
     return pre, post
 
@@ -101,9 +143,12 @@ class ModelAnatomy:
     tied_parameters: list[nn.Parameter]
 
     @classmethod
-    def of(cls, module: nn.Module, pipeline_layers: Optional[str] = None) -> "ModelAnatomy":
+    def of(
+        cls, module: nn.Module, pipeline_layers: Optional[str] = None, called: Optional[Mapping[str, frozenset[str]]] = None
+    ) -> "ModelAnatomy":
+        """``called``: where the forward calls each outside subtree (see :func:`outside_modules`)."""
         path, stack = find_layer_stack(module, pipeline_layers)
-        pre, post = outside_modules(module, path)
+        pre, post = outside_modules(module, path, called)
         pre_params = {id(p) for o in pre for p in o.module.parameters()}
         tied = [p for o in post for p in o.module.parameters() if id(p) in pre_params]
         return cls(stack_path=path, stack=stack, pre=pre, post=post, tied_parameters=tied)

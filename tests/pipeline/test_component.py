@@ -18,3 +18,38 @@ def test_automatic_optimization_with_enough_layers_passes():
     Pipeline(MegatronConfig(pp=2)).validate(GPT(n_layer=4), None)
     with pytest.raises(MegatronConfigError, match="layers"):
         Pipeline(MegatronConfig(pp=4)).validate(GPT(n_layer=2), None)
+
+
+def test_encoder_decoder_under_pp_is_refused_naming_what_works():
+    import transformers
+
+    config = transformers.T5Config(vocab_size=64, d_model=16, d_ff=32, num_layers=2, num_heads=2, d_kv=8)
+    module = transformers.T5ForConditionalGeneration(config)
+    with pytest.raises(MegatronConfigError, match=r"pp=2 with the encoder-decoder T5ForConditionalGeneration.*Use pp=1 with tp"):
+        Pipeline(MegatronConfig(pp=2)).validate(module, None)
+
+
+def test_albert_is_split_by_applications_of_its_shared_block():
+    import transformers
+
+    config = transformers.AlbertConfig(vocab_size=64, hidden_size=16, embedding_size=8, num_hidden_layers=4,
+                                       num_attention_heads=2, intermediate_size=32)
+    module = transformers.AlbertForSequenceClassification(config)
+    assert len(module.albert.encoder.albert_layer_groups) == 1
+    Pipeline(MegatronConfig(pp=4)).validate(module, None)  # 4 applications over 4 stages
+    with pytest.raises(MegatronConfigError, match="num_layers=4 cannot be split evenly into pp_size=3"):
+        Pipeline(MegatronConfig(pp=3)).validate(module, None)
+
+
+
+def test_router_load_balancing_loss_over_all_layers_is_refused_under_pp():
+    import transformers
+
+    config = transformers.MixtralConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                                        num_attention_heads=2, num_key_value_heads=1, num_local_experts=2,
+                                        output_router_logits=True)
+    module = transformers.MixtralForCausalLM(config)
+    with pytest.raises(MegatronConfigError, match=r"output_router_logits=True.*Set config.output_router_logits=False"):
+        Pipeline(MegatronConfig(pp=2)).validate(module, None)
+    module.config.output_router_logits = False
+    Pipeline(MegatronConfig(pp=2)).validate(module, None)

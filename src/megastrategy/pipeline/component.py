@@ -5,13 +5,16 @@ step path for every layout; this component only decides what the stage holds.
 """
 from __future__ import annotations
 
+from typing import Optional
+
 import torch.distributed as dist
 from torch import nn
 
-from megastrategy.anatomy import ModelAnatomy
+from megastrategy.anatomy import ModelAnatomy, find_hf_model
 from megastrategy.component import Component, SetupContext
 from megastrategy.config import MegatronConfig
 from megastrategy.errors import MegatronConfigError
+from megastrategy.pipeline.forward_order import ForwardOrder, record_forward_order
 from megastrategy.pipeline.layer_assignment import assign_layers
 from megastrategy.pipeline.schedules import validate_schedule
 from megastrategy.pipeline.stage import cut_stage
@@ -25,7 +28,10 @@ class Pipeline(Component):
         self.pp, self.vp = config.pp, config.vp_size
         self.num_microbatches, self.pipeline_layers = config.num_microbatches, config.pipeline_layers
         self._tied: list[nn.Parameter] = []
-        self._embedding_group = None
+        self._shared: list[nn.Parameter] = []
+        self._embedding_group = self._pp_group = None
+        self._order: Optional[ForwardOrder] = None
+        self._order_of: Optional[int] = None  # id of the module the dry run ran on
 
     def validate(self, module: nn.Module, layout) -> None:
         """Pipeline errors (stack, layer counts, schedule) before any collective."""
@@ -35,30 +41,65 @@ class Pipeline(Component):
                 "backward itself, interleaved with the other stages, so manual_backward cannot be honoured. "
                 "Use automatic optimization with pp > 1, or pp=1 for manual optimization."
             )
+        _refuse_what_stages_cannot_split(find_hf_model(module)[1], self.pp)
         anatomy = ModelAnatomy.of(module, self.pipeline_layers)
-        assign_layers(len(anatomy.stack), self.pp, self.vp)
+        order = self._forward_order(module, anatomy.stack_path)
+        assign_layers(len(order.stack_calls) if order is not None else len(anatomy.stack), self.pp, self.vp)
         if self.vp > 1:
             validate_schedule(self.num_microbatches, self.pp, self.vp)
 
+    def _forward_order(self, module: nn.Module, stack_path: str) -> Optional[ForwardOrder]:
+        """The dry run's result, found once, on the module as the user built it (before any sharding)."""
+        if self._order_of != id(module):
+            self._order, self._order_of = record_forward_order(module, stack_path), id(module)
+        return self._order
+
     def apply(self, module: nn.Module, ctx: SetupContext) -> None:
         self.validate(module, None)
-        ps = ctx.parallel_state
-        anatomy = ModelAnatomy.of(module, ctx.stack_path)  # after TP/SP/recompute rewrote the blocks
+        ps, order = ctx.parallel_state, self._order
+        called = order.called if order is not None else None
+        anatomy = ModelAnatomy.of(module, ctx.stack_path, called)  # after TP/SP/recompute rewrote the blocks
+        stack_calls = order.stack_calls if order is not None and order.reuses_blocks else None
         ctx.stage = cut_stage(
             module,
             stack_path=anatomy.stack_path,
             stack=anatomy.stack,
-            assignment=assign_layers(len(anatomy.stack), self.pp, self.vp),
+            assignment=assign_layers(len(stack_calls or anatomy.stack), self.pp, self.vp),
             pp_rank=ps.pp_rank,
             pp_size=self.pp,
             vp_size=self.vp,
             anatomy=anatomy,
+            stack_calls=stack_calls,
+            carried=order.carried if order is not None else (),
         )
-        self._tied, self._embedding_group = ctx.stage.tied_parameters, ps.embedding_group
+        self._shared = ctx.stage.shared_layer_parameters
+        shared = {id(p) for p in self._shared}
+        self._tied = [p for p in ctx.stage.tied_parameters if id(p) not in shared]
+        self._embedding_group, self._pp_group = ps.embedding_group, ps.pp_group
 
     def finalize_grads(self) -> bool:
-        """Keep the first and last stages' copies of a tied embedding identical: sum their gradients."""
+        """Keep every stage's copy of a tied weight identical: sum the gradients of a tied embedding
+        over the first and last stage, and of a block applied on several stages over the pipeline."""
         if self._tied and self._embedding_group is not None:
             for p in self._tied:
                 dist.all_reduce(p.main_grad, group=self._embedding_group)
+        for p in self._shared:
+            dist.all_reduce(p.main_grad, group=self._pp_group)
         return True
+
+
+def _refuse_what_stages_cannot_split(hf: Optional[nn.Module], pp: int) -> None:
+    """Hugging Face models whose forward needs more than one stage's blocks in one place."""
+    config = getattr(hf, "config", None)
+    if getattr(config, "is_encoder_decoder", False):
+        raise MegatronConfigError(
+            f"pp={pp} with the encoder-decoder {type(hf).__name__}: pipeline stages cut "
+            "one stack of blocks, and an encoder-decoder has two (the decoder's blocks also read the encoder's "
+            "output). Use pp=1 with tp, cp and data parallelism for it."
+        )
+    if getattr(config, "output_router_logits", False):
+        raise MegatronConfigError(
+            f"pp={pp} with {type(hf).__name__} and output_router_logits=True: its load-balancing loss is computed "
+            "after the stack from every layer's router logits, and under pp the last stage holds only its own "
+            "layers. Set config.output_router_logits=False (training without that loss), or use pp=1."
+        )

@@ -6,14 +6,17 @@ The user's own ``forward``/``training_step`` runs on every stage. What changes i
 - the first local block of a chunk takes its input from the previous stage (a forward pre-hook
   substitutes it), and the last local block ends the forward by raising :class:`StageBoundary`
   with its output, unless the chunk is the last virtual stage;
-- modules registered before the stack exist for real only where the first virtual stage runs,
-  and those registered after it only where the last one runs; elsewhere cheap stand-ins
-  without parameters take their place, so memory is really split. Side inputs (masks,
-  positions) are still recomputed from the microbatch on every stage by the user's code.
+- modules the forward calls before the stack (:mod:`.forward_order`; else those registered
+  before it) exist for real only where the first virtual stage runs, and those called after it
+  only where the last one runs; elsewhere cheap stand-ins without parameters take their place,
+  so memory is really split. Side inputs (masks, positions) are still recomputed from the
+  microbatch on every stage by the user's code; what a block hands the next one besides the
+  hidden state crosses the boundary with it (:mod:`.boundary_pack`);
+- a block the forward applies several times is split by applications (:mod:`.reused_layers`).
 """
 from __future__ import annotations
 
-import copy
+import inspect
 from dataclasses import dataclass, field
 from typing import Any, Iterator, Optional
 
@@ -24,6 +27,9 @@ from torch.utils._pytree import tree_map
 from megastrategy.anatomy import ModelAnatomy, find_layer_stack, get_submodule_path
 from megastrategy.batch_tree import flatten_batch, unflatten_batch
 from megastrategy.errors import MegatronConfigError
+from megastrategy.pipeline.boundary_pack import pack, unpack
+from megastrategy.pipeline.forward_order import block_outputs, meta_copy
+from megastrategy.pipeline.reused_layers import ReusedLayers
 
 __all__ = ["PipelineStage", "StageBoundary", "cut_stage", "find_layer_stack", "iter_microbatches"]
 
@@ -63,19 +69,16 @@ class MetaStandIn(nn.Module):
 
     def __init__(self, real: nn.Module, name: str):
         super().__init__()
-        # Map every tensor to a meta twin before copying, so the copy never duplicates real memory.
-        memo = {id(t): nn.Parameter(torch.empty_like(t, device="meta"), requires_grad=False) for t in real.parameters()}
-        memo.update({id(t): torch.empty_like(t, device="meta") for t in real.buffers()})
-        self._meta = [copy.deepcopy(real, memo)]  # a list: not registered as a submodule
+        self._meta = [meta_copy(real)]  # a list: not registered as a submodule
         self._name = name
         self.stage_done = None  # set by the stage: says whether the stack has already run
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         if self.stage_done is not None and self.stage_done():
             raise MegatronConfigError(
-                f"{self._name} is registered before the pipeline layer stack but was called after it; "
-                "pipeline stages assign modules by registration order. Register it after the stack, "
-                "or keep it inside a block."
+                f"{self._name} ran before the pipeline layer stack in the dry run of the forward (or, without one, "
+                "is registered before it) but was called after it; pipeline stages place a module by where the "
+                "forward calls it. Call it on one side of the stack only, or keep it inside a block."
             )
         device = next((a.device for a in list(args) + list(kwargs.values()) if isinstance(a, torch.Tensor)), None)
         to_meta = lambda t: t.to("meta") if isinstance(t, torch.Tensor) else t  # noqa: E731
@@ -95,8 +98,9 @@ class Unreachable(nn.Module):
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         raise MegatronConfigError(
-            f"{self._name} is registered after the pipeline layer stack but was called before the stack "
-            "finished on a stage that does not own it; pipeline stages assign modules by registration order."
+            f"{self._name} ran after the pipeline layer stack in the dry run of the forward (or, without one, "
+            "is registered after it) but was called before the stack finished on a stage that does not own it; "
+            "pipeline stages place a module by where the forward calls it."
         )
 
 
@@ -109,25 +113,38 @@ class _Swap:
 
 @dataclass
 class PipelineStage:
-    """The rank's share of the model: local blocks by chunk, and what each chunk must run with."""
+    """The rank's share of the model: local blocks by chunk, and what each chunk must run with.
+
+    ``chunks`` holds, per chunk, the indices of the stack's *applications* this rank runs; they
+    are the block indices unless the forward applies a block more than once (``stack_calls``,
+    see :mod:`.reused_layers`).
+    """
 
     stack_path: str
-    chunks: list[list[int]]  # chunk -> global layer indices
+    chunks: list[list[int]]  # chunk -> global layer (application) indices
     pp_rank: int
     pp_size: int
     vp_size: int
-    tied_parameters: list[nn.Parameter] = field(default_factory=list)
+    tied_parameters: list[nn.Parameter] = field(default_factory=list)  # every copy kept equal to another stage's
+    shared_layer_parameters: list[nn.Parameter] = field(default_factory=list)  # of blocks applied on several stages
+    stack_calls: Optional[tuple[int, ...]] = None  # block of each application, when blocks are reused
+    carried: tuple[tuple[int, str], ...] = ()  # (output index, argument) a block hands the next besides the hidden
     _chunk_swaps: list[list[_Swap]] = field(default_factory=list)
     _resting_swaps: list[_Swap] = field(default_factory=list)
     _pending_input: Optional[torch.Tensor] = None
     _stack_finished: bool = False
     _active_chunk: Optional[int] = None
+    _applications: int = 0
 
     def is_first_virtual(self, chunk: int) -> bool:
         return self.pp_rank == 0 and chunk == 0
 
     def is_last_virtual(self, chunk: int) -> bool:
         return self.pp_rank == self.pp_size - 1 and chunk == self.vp_size - 1
+
+    @property
+    def active_chunk(self) -> Optional[int]:
+        return self._active_chunk
 
     def activate(self, chunk: int, input_tensor: Optional[torch.Tensor]) -> None:
         """Arrange the module so that the user's forward runs exactly chunk ``chunk`` of this stage."""
@@ -136,6 +153,7 @@ class PipelineStage:
         self._pending_input = input_tensor
         self._stack_finished = False
         self._active_chunk = chunk
+        self._applications = 0
 
     def deactivate(self) -> None:
         """Restore the rank's resting view: every local block and only the modules it owns,
@@ -145,28 +163,74 @@ class PipelineStage:
         self._pending_input = None
         self._active_chunk = None
 
-    def _pre_hook(self, module, args, kwargs):
-        if self._active_chunk is None or self._pending_input is None:
-            return None
-        x, self._pending_input = self._pending_input, None
-        if args:
-            return (x, *args[1:]), kwargs
-        first = next(iter(kwargs))
-        return args, {**kwargs, first: x}
+    def next_application(self) -> int:
+        """The index of the stack application starting now (reused blocks count every call)."""
+        self._applications += 1
+        return self._applications - 1
 
-    def _post_hook(self, module, args, output):
-        if self._active_chunk is None:
-            return None
+    def substitute_input(self, block: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        """The first local block's arguments with the previous stage's activation as its input
+        (and what else the previous block handed over, see :mod:`.boundary_pack`)."""
+        if self._pending_input is None:
+            return args, kwargs
+        x, self._pending_input = self._pending_input, None
+        extras: list = []
+        if self.carried:
+            x, *extras = unpack(x, 1 + len(self.carried))
+        if args:
+            args, kwargs = (x, *args[1:]), dict(kwargs)
+        else:
+            kwargs = {**kwargs, next(iter(kwargs)): x}
+        params = list(inspect.signature(block.forward).parameters)
+        for (_, name), value in zip(self.carried, extras):
+            if name not in kwargs and name in params and params.index(name) < len(args):
+                args = tuple(value if i == params.index(name) else a for i, a in enumerate(args))
+            else:
+                kwargs[name] = value
+        return args, kwargs
+
+    def end_of_chunk(self, output: Any) -> None:
+        """After the chunk's last block: end the forward with its hidden state, unless the chunk
+        is the last virtual stage (then the user's forward goes on to the head and the loss)."""
         self._stack_finished = True
         if self.is_last_virtual(self._active_chunk):
-            return None
-        hidden = output[0] if isinstance(output, (tuple, list)) else output
-        if not isinstance(hidden, torch.Tensor):
+            return
+        values = block_outputs(output)
+        if not isinstance(values[0], torch.Tensor):
             raise MegatronConfigError(
                 f"the blocks of {self.stack_path} return {type(output).__name__}; pipeline stages need a tensor "
                 "(or a tuple whose first element is the hidden-state tensor) to send to the next stage."
             )
-        raise StageBoundary(hidden)
+        if not self.carried:
+            raise StageBoundary(values[0])
+        raise StageBoundary(pack([values[0]] + [values[i] for i, _ in self.carried]))
+
+    def _pre_hook(self, module, args, kwargs):
+        if self._active_chunk is None or self._pending_input is None:
+            return None
+        return self.substitute_input(module, args, kwargs)
+
+    def _post_hook(self, module, args, output):
+        if self._active_chunk is not None:
+            self.end_of_chunk(output)
+
+
+def _outside_swaps(anatomy: ModelAnatomy, stage: PipelineStage, first: bool, last: bool) -> list[_Swap]:
+    """What a chunk that is (or is not) the first/last virtual stage runs in place of each outside
+    module: the real one where the forward calls it on this chunk, a stand-in elsewhere."""
+    pre_names, post_names = {o.name for o in anatomy.pre}, {o.name for o in anatomy.post}
+    swaps = []
+    for o in anatomy.pre + [o for o in anatomy.post if o.name not in pre_names]:
+        runs_before, runs_after = o.name in pre_names, o.name in post_names
+        if (first and runs_before) or (last and runs_after):
+            swaps.append(_Swap(o.parent, o.attr, o.module))
+        elif runs_before:
+            stand_in = MetaStandIn(o.module, o.name)
+            stand_in.stage_done = (lambda: stage._stack_finished) if not runs_after else None
+            swaps.append(_Swap(o.parent, o.attr, stand_in))
+        else:
+            swaps.append(_Swap(o.parent, o.attr, Unreachable(o.name)))
+    return swaps
 
 
 def cut_stage(
@@ -179,44 +243,63 @@ def cut_stage(
     pp_size: int,
     vp_size: int,
     anatomy: Optional[ModelAnatomy] = None,
+    stack_calls: Optional[tuple[int, ...]] = None,
+    carried: tuple[tuple[int, str], ...] = (),
 ) -> PipelineStage:
-    """Rewrite ``module`` in place into this rank's stage and return the handle that drives it."""
+    """Rewrite ``module`` in place into this rank's stage and return the handle that drives it.
+
+    ``assignment`` splits the stack's blocks, or, with ``stack_calls`` (the block of each
+    application, when the forward reuses blocks), the applications. ``carried``: the outputs a
+    block hands the next one besides the hidden state (from the dry run), sent along with it.
+    """
     anatomy = anatomy or ModelAnatomy.of(module, stack_path)
     chunks = assignment[pp_rank]
-    stage = PipelineStage(stack_path=stack_path, chunks=chunks, pp_rank=pp_rank, pp_size=pp_size, vp_size=vp_size)
+    stage = PipelineStage(stack_path=stack_path, chunks=chunks, pp_rank=pp_rank, pp_size=pp_size, vp_size=vp_size,
+                          stack_calls=stack_calls, carried=tuple(carried))
     parent_path, _, stack_attr = stack_path.rpartition(".")
     stack_parent = get_submodule_path(module, parent_path) if parent_path else module
-    # Parameters shared between a module before the stack and one after it (a tied embedding):
-    # the first and last stages each keep a copy, kept equal by an all-reduce of their gradients.
-    stage.tied_parameters = list(anatomy.tied_parameters)
+    holds_first, holds_last = pp_rank == 0, pp_rank == pp_size - 1
 
-    holds_first = pp_rank == 0
-    holds_last = pp_rank == pp_size - 1
-    pre_swaps_real = [_Swap(o.parent, o.attr, o.module) for o in anatomy.pre]
-    pre_swaps_stand = [_Swap(o.parent, o.attr, MetaStandIn(o.module, o.name)) for o in anatomy.pre]
-    post_swaps_real = [_Swap(o.parent, o.attr, o.module) for o in anatomy.post]
-    post_swaps_stand = [_Swap(o.parent, o.attr, Unreachable(o.name)) for o in anatomy.post]
-    for s in pre_swaps_stand:
-        s.module.stage_done = lambda: stage._stack_finished
-
-    all_layers = LocalLayers({i: stack[i] for chunk in chunks for i in chunk})
-    for c, chunk in enumerate(chunks):
-        swaps = [_Swap(stack_parent, stack_attr, LocalLayers({i: stack[i] for i in chunk}))]
-        swaps += pre_swaps_real if stage.is_first_virtual(c) else pre_swaps_stand
-        swaps += post_swaps_real if stage.is_last_virtual(c) else post_swaps_stand
-        stage._chunk_swaps.append(swaps)
-        stack[chunk[0]].register_forward_pre_hook(stage._pre_hook, with_kwargs=True)
-        stack[chunk[-1]].register_forward_hook(stage._post_hook)
+    if stack_calls is None:
+        all_layers = LocalLayers({i: stack[i] for chunk in chunks for i in chunk})
+        chunk_layers = [LocalLayers({i: stack[i] for i in chunk}) for chunk in chunks]
+        for chunk in chunks:
+            stack[chunk[0]].register_forward_pre_hook(stage._pre_hook, with_kwargs=True)
+            stack[chunk[-1]].register_forward_hook(stage._post_hook)
+    else:
+        all_layers = _reused_stack(stack, assignment, pp_rank, stack_calls, stage)
+        chunk_layers = [all_layers] * len(chunks)
+    for c, layers in enumerate(chunk_layers):
+        swaps = [_Swap(stack_parent, stack_attr, layers)]
+        stage._chunk_swaps.append(swaps + _outside_swaps(anatomy, stage, stage.is_first_virtual(c), stage.is_last_virtual(c)))
 
     # At rest the rank holds its blocks and only the outside modules it runs for real; the rest
     # are dropped here, which is what frees their memory.
     stage._resting_swaps = [_Swap(stack_parent, stack_attr, all_layers)]
-    stage._resting_swaps += pre_swaps_real if holds_first else pre_swaps_stand
-    stage._resting_swaps += post_swaps_real if holds_last else post_swaps_stand
+    stage._resting_swaps += _outside_swaps(anatomy, stage, holds_first, holds_last)
     stage.deactivate()
-    if not holds_first:
-        stage.tied_parameters = [p for p in stage.tied_parameters if holds_last]
+    # Parameters shared between a module before the stack and one after it (a tied embedding):
+    # the first and last stages each keep a copy, kept equal by an all-reduce of their gradients.
+    tied = list(anatomy.tied_parameters) if holds_first or holds_last else []
+    stage.tied_parameters = tied + stage.shared_layer_parameters
     return stage
+
+
+def _reused_stack(
+    stack: nn.ModuleList, assignment: list[list[list[int]]], pp_rank: int, stack_calls: tuple[int, ...],
+    stage: PipelineStage,
+) -> ReusedLayers:
+    """The rank's :class:`ReusedLayers`: the blocks its applications use, plus every block applied
+    on more than one stage (their copies are kept equal, so every stage keeps one)."""
+    users: dict[int, set[int]] = {}
+    for rank, rank_chunks in enumerate(assignment):
+        for application in (a for chunk in rank_chunks for a in chunk):
+            users.setdefault(stack_calls[application], set()).add(rank)
+    shared = sorted(b for b, ranks in users.items() if len(ranks) > 1)
+    held = {b: stack[b] for b in set(shared) | {b for b, ranks in users.items() if pp_rank in ranks}}
+    stage.shared_layer_parameters = [p for b in shared for p in stack[b].parameters()]
+    stand_ins = {i: MetaStandIn(block, f"block {i}") for i, block in enumerate(stack)}
+    return ReusedLayers(held, stand_ins, stage)
 
 
 def iter_microbatches(batch: Any, num_microbatches: int) -> Iterator[Any]:

@@ -1,0 +1,131 @@
+"""Which modules the forward calls before and after the layer stack, found by a dry run.
+
+Registration order is not forward order: OPT registers ``final_layer_norm`` before its
+``layers``, some heads are registered before the backbone. So, once and before anything is
+sharded, a parameter-free copy of the Hugging Face model on the meta device runs its own
+``dummy_inputs``; hooks record, for every submodule, whether it ran before the first block,
+after the last block, or both, and which block each application of the stack called (ALBERT
+applies one shared block N times). Nothing real is computed and no random number is drawn.
+"""
+from __future__ import annotations
+
+import copy
+import inspect
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+from torch import nn
+
+from megastrategy.anatomy import find_hf_model
+
+__all__ = ["ForwardOrder", "block_outputs", "meta_copy", "record_forward_order"]
+
+
+@dataclass(frozen=True)
+class ForwardOrder:
+    """The dry run's findings, by dotted name from the user's module (names survive TP rewrites)."""
+
+    called: dict[str, frozenset[str]]  # module name -> {"before"} / {"after"} / both, relative to the stack
+    stack_calls: tuple[int, ...]  # the block index of each application of the stack, in order
+    carried: tuple[tuple[int, str], ...] = ()  # (output index, argument name): what a block takes from the
+    # previous block's outputs besides the hidden state (output 0), e.g. T5's ``position_bias``
+
+    @property
+    def reuses_blocks(self) -> bool:
+        """Whether the forward applies some block more than once (a shared layer)."""
+        return len(self.stack_calls) != len(set(self.stack_calls))
+
+
+def meta_copy(module: nn.Module) -> nn.Module:
+    """A copy of ``module`` whose parameters and buffers live on the meta device (no real memory)."""
+    memo: dict[int, Any] = {
+        id(t): nn.Parameter(torch.empty_like(t, device="meta"), requires_grad=False) for t in module.parameters()
+    }
+    memo.update({id(t): torch.empty_like(t, device="meta") for t in module.buffers()})
+    return copy.deepcopy(module, memo)
+
+
+def record_forward_order(module: nn.Module, stack_path: str) -> Optional[ForwardOrder]:
+    """Dry-run the Hugging Face model holding ``stack_path``; ``None`` when there is none (or it
+    cannot run on the meta device), in which case registration order is used."""
+    hf_path, hf = find_hf_model(module)
+    prefix = f"{hf_path}." if hf_path else ""
+    if hf is None or not stack_path.startswith(prefix) or not hasattr(hf, "dummy_inputs"):
+        return None
+    try:
+        twin = meta_copy(hf)
+        accepted = inspect.signature(hf.forward).parameters
+        inputs = {k: v.to("meta") if isinstance(v, torch.Tensor) else v for k, v in dict(hf.dummy_inputs).items()
+                  if k in accepted}  # T5EncoderModel's dummy inputs include the decoder's
+        if getattr(twin, "config", None) is not None:  # the copy's own config: no pad-token check reading values
+            twin.config.pad_token_id = None
+    except Exception:  # noqa: BLE001 - an uncopyable model keeps registration order
+        return None
+    return _run(twin, inputs, prefix, stack_path[len(prefix):])
+
+
+def _run(twin: nn.Module, inputs: dict, prefix: str, stack_rel: str) -> Optional[ForwardOrder]:
+    stack = twin.get_submodule(stack_rel)
+    block_index = {id(b): i for i, b in enumerate(stack)}
+    events: list[tuple[str, int]] = []  # (module name, number of stack applications so far)
+    stack_calls: list[int] = []
+
+    def on_call(name: str):
+        def hook(mod, args):
+            if id(mod) in block_index and name.startswith(stack_rel + "."):
+                stack_calls.append(block_index[id(mod)])
+            events.append((name, len(stack_calls)))
+
+        return hook
+
+    handles = [m.register_forward_pre_hook(on_call(n)) for n, m in twin.named_modules() if n]
+    carried = _watch_carried(stack, handles)
+    try:
+        with torch.no_grad(), torch.random.fork_rng(devices=[]):
+            twin(**inputs)
+    except Exception:  # noqa: BLE001 - a forward that needs real data keeps registration order
+        return None
+    finally:
+        for h in handles:
+            h.remove()
+    if not stack_calls:
+        return None
+    called: dict[str, set[str]] = {}
+    for name, applied in events:
+        where = "before" if applied == 0 else "after" if applied == len(stack_calls) else None
+        parts = name.split(".")
+        for depth in range(1, len(parts) + 1):  # the module and every ancestor ran then
+            if where is not None:
+                called.setdefault(prefix + ".".join(parts[:depth]), set()).add(where)
+    return ForwardOrder({k: frozenset(v) for k, v in called.items()}, tuple(stack_calls), tuple(sorted(carried)))
+
+
+def block_outputs(output: Any) -> list:
+    """A block's outputs in order: a tuple's (or a ModelOutput's) entries, or the one tensor."""
+    if isinstance(output, dict):
+        return list(output.values())
+    return list(output) if isinstance(output, (tuple, list)) else [output]
+
+
+def _watch_carried(stack: nn.ModuleList, handles: list) -> set[tuple[int, str]]:
+    """Hooks that collect which of a block's outputs besides the hidden state the next block takes,
+    and as which argument (T5's ``position_bias``): the stage boundary must carry them."""
+    extra_outputs: dict[int, int] = {}  # id of an output tensor -> its index among the outputs
+    carried: set[tuple[int, str]] = set()
+
+    def before(block, args, kwargs):
+        params = list(inspect.signature(block.forward).parameters)
+        named = [(params[i] if i < len(params) else f"argument {i}", a) for i, a in enumerate(args)]
+        named += list(kwargs.items())
+        carried.update((extra_outputs[id(v)], name) for name, v in named if isinstance(v, torch.Tensor) and id(v) in extra_outputs)
+
+    def after(block, args, output):
+        extra_outputs.clear()
+        values = block_outputs(output)
+        extra_outputs.update((id(v), i) for i, v in enumerate(values) if i > 0 and isinstance(v, torch.Tensor))
+
+    for block in stack:
+        handles.append(block.register_forward_pre_hook(before, with_kwargs=True))
+        handles.append(block.register_forward_hook(after))
+    return carried

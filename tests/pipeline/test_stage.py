@@ -1,0 +1,53 @@
+"""A stage cut from an unchanged Hugging Face model hands the next stage everything its first
+block needs: T5's blocks pass the position bias block 0 computed, with gradients back to it."""
+import copy
+
+import pytest
+import torch
+import transformers
+
+from megastrategy.anatomy import ModelAnatomy
+from megastrategy.pipeline.forward_order import record_forward_order
+from megastrategy.pipeline.layer_assignment import assign_layers
+from megastrategy.pipeline.stage import StageBoundary, cut_stage
+
+PATH = "encoder.block"
+
+
+def _t5_encoder() -> transformers.T5EncoderModel:
+    torch.manual_seed(0)
+    config = transformers.T5Config(vocab_size=64, d_model=16, d_ff=32, num_layers=4, num_heads=2, d_kv=8, dropout_rate=0.0)
+    return transformers.T5EncoderModel(config)
+
+
+def _stage(model, pp_rank: int):
+    order = record_forward_order(model, PATH)
+    assert order.carried == ((1, "position_bias"),)
+    anatomy = ModelAnatomy.of(model, PATH, order.called)
+    return cut_stage(model, stack_path=PATH, stack=anatomy.stack, assignment=assign_layers(4, 2), pp_rank=pp_rank,
+                     pp_size=2, vp_size=1, anatomy=anatomy, carried=order.carried)
+
+
+def test_position_bias_crosses_the_boundary_and_gets_its_gradient():
+    full, ids = _t5_encoder(), torch.randint(0, 64, (2, 7))
+    first, last = copy.deepcopy(full), copy.deepcopy(full)
+    first_stage, last_stage = _stage(first, 0), _stage(last, 1)
+    expected = full(input_ids=ids).last_hidden_state
+    expected.pow(2).mean().backward()
+
+    first_stage.activate(0, None)
+    with pytest.raises(StageBoundary) as boundary:
+        first(input_ids=ids)
+    first_stage.deactivate()
+    sent = boundary.value.output
+    received = sent.detach().requires_grad_(True)
+    last_stage.activate(0, received)
+    got = last(input_ids=ids).last_hidden_state
+    last_stage.deactivate()
+    assert torch.allclose(got, expected, atol=1e-6)  # without the bias, stage 1's blocks would use none
+
+    got.pow(2).mean().backward()
+    torch.autograd.backward(sent, received.grad)
+    bias_grad = first.encoder.block[0].layer[0].SelfAttention.relative_attention_bias.weight.grad
+    expected_grad = full.encoder.block[0].layer[0].SelfAttention.relative_attention_bias.weight.grad
+    assert torch.allclose(bias_grad, expected_grad, atol=1e-6)  # includes what stage 1's blocks added

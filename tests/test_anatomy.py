@@ -1,0 +1,63 @@
+"""Where the layer stack is: the user's pipeline_layers, else the config's base_model_pp_plan, else
+the longest list of identical blocks."""
+import pytest
+import transformers
+from torch import nn
+
+from megastrategy.anatomy import find_layer_stack, pp_plan_stack
+from megastrategy.errors import MegatronConfigError
+
+TINY = dict(vocab_size=64, hidden_size=16, num_hidden_layers=2, num_attention_heads=2, intermediate_size=32,
+            num_key_value_heads=1, max_position_embeddings=32)
+
+
+class WithProbes(nn.Module):
+    """A user module holding a Llama and a longer list of identical probes beside it."""
+
+    def __init__(self):
+        super().__init__()
+        self.probes = nn.ModuleList(nn.Linear(16, 1) for _ in range(6))
+        self.model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**TINY))
+
+
+def test_base_model_pp_plan_names_the_stack_before_the_longest_list():
+    module = WithProbes()
+    assert pp_plan_stack(module) == "model.model.layers"
+    path, stack = find_layer_stack(module)
+    assert path == "model.model.layers" and stack is module.model.model.layers
+
+
+def test_pipeline_layers_overrides_the_plan():
+    module = WithProbes()
+    assert find_layer_stack(module, "probes")[1] is module.probes
+    with pytest.raises(MegatronConfigError, match="pipeline_layers='model.nope'"):
+        find_layer_stack(module, "model.nope")
+
+
+def test_without_a_plan_the_longest_list_of_identical_blocks_is_the_stack():
+    bert = transformers.BertForSequenceClassification(transformers.BertConfig(**{k: v for k, v in TINY.items() if k != "num_key_value_heads"}))
+    assert pp_plan_stack(bert) is None
+    assert find_layer_stack(bert)[0] == "bert.encoder.layer"
+
+
+class Shared(nn.Module):
+    """A norm the forward applies before and after the blocks (registered after them)."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(10, 4)
+        self.blocks = nn.ModuleList(nn.Linear(4, 4) for _ in range(2))
+        self.norm = nn.LayerNorm(4)
+        self.head = nn.Linear(4, 3)
+
+
+def test_a_module_called_on_both_sides_of_the_stack_is_tied_between_first_and_last_stage():
+    from megastrategy.anatomy import ModelAnatomy
+
+    module = Shared()
+    by_registration = ModelAnatomy.of(module, "blocks")
+    assert [o.name for o in by_registration.pre] == ["embed"] and not by_registration.tied_parameters
+    called = {"embed": frozenset({"before"}), "norm": frozenset({"before", "after"}), "head": frozenset({"after"})}
+    anatomy = ModelAnatomy.of(module, "blocks", called)
+    assert [o.name for o in anatomy.pre] == ["embed", "norm"] and [o.name for o in anatomy.post] == ["norm", "head"]
+    assert {id(p) for p in anatomy.tied_parameters} == {id(p) for p in module.norm.parameters()}

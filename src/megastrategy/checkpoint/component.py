@@ -15,7 +15,7 @@ from megastrategy.component import Component, Environment, SetupContext
 
 
 class Checkpoints(Component):
-    """Sharded DCP checkpoints that reshard on load, and exact resume on the same layout."""
+    """Sharded DCP checkpoints that reshard on load, and resume at the next unseen sample on any layout."""
 
     def __init__(self) -> None:
         self.exact_resume = ExactResume()
@@ -24,6 +24,9 @@ class Checkpoints(Component):
 
     def on_environment(self, env: Environment) -> None:
         self._env = env
+        ps = env.parallel_state
+        self.exact_resume.set_position(dp_rank=ps.dp_rank, dp_size=ps.dp_size,
+                                       data_source=env.global_rank == ps.replica_ranks[0])
 
     def configure(self, ctx: SetupContext) -> None:
         self._ctx = ctx

@@ -31,6 +31,7 @@ from megastrategy.checkpoint.sharded import (
     read_info,
     read_lightning_metadata,
     read_rank_state,
+    read_rank_states,
     save_sharded,
 )
 
@@ -81,10 +82,7 @@ def load_lightning_checkpoint(site: CheckpointSite, path: PathLike) -> dict[str,
     module = site.module
     trainer = getattr(module, "_trainer", None)
     if trainer is not None and trainer.state.fn == "fit":  # random streams and loader position for the restart
-        saved, here = info.get("layout"), site.layout_record
-        site.exact_resume.load(
-            read_rank_state(path, site.global_rank), same_layout=saved == here, describe=f"{saved} -> {here}"
-        )
+        _load_resume_state(site, path, info.get("layout"))
     if getattr(module, "_megastrategy_sharded", False):
         strict = bool(getattr(module, "strict_loading", True))
         load_model_(path, module, site.parallel_state, plan=site.plan, strict=strict)
@@ -98,3 +96,14 @@ def load_lightning_checkpoint(site: CheckpointSite, path: PathLike) -> dict[str,
             lambda: load_optimizer_states(path, site.module, site.optimizers(), site.parallel_state, plan=site.plan),
         )
     return checkpoint
+
+
+def _load_resume_state(site: CheckpointSite, path: PathLike, saved: Optional[dict[str, Any]]) -> None:
+    here = site.layout_record
+    if saved == here:
+        site.exact_resume.load(read_rank_state(path, site.global_rank))
+        return
+    world = int((saved or {}).get("world_size") or 0)
+    site.exact_resume.load_other_layout(
+        read_rank_states(path, range(world)), saved_dp=(saved or {}).get("dp"), describe=f"{saved} -> {here}"
+    )

@@ -66,6 +66,7 @@ __all__ = [
     "read_info",
     "read_lightning_metadata",
     "read_rank_state",
+    "read_rank_states",
     "load_full_state_dict",
 ]
 
@@ -199,6 +200,13 @@ def read_lightning_metadata(path: PathLike) -> dict[str, Any]:
 def read_rank_state(path: PathLike, rank: int) -> Optional[dict[str, Any]]:
     """Global rank ``rank``'s ``meta/rank_state`` record (``None`` when the checkpoint has none)."""
     return _read_objects(path, [f"{RANK_STATE_PREFIX}{rank}"]).get(f"{RANK_STATE_PREFIX}{rank}")
+
+
+def read_rank_states(path: PathLike, ranks: Iterable[int]) -> list[dict[str, Any]]:
+    """The ``meta/rank_state`` records of ``ranks`` that the checkpoint holds (one read)."""
+    keys = [f"{RANK_STATE_PREFIX}{r}" for r in ranks]
+    loaded = _read_objects(path, keys)
+    return [loaded[k] for k in keys if loaded.get(k) is not None]
 
 
 def merge_orders(orders: Iterable[list[str]]) -> list[str]:

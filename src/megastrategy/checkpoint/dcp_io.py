@@ -38,6 +38,7 @@ from torch.distributed.checkpoint.metadata import (
     ChunkStorageMetadata,
     Metadata,
     MetadataIndex,
+    StorageMeta,
     TensorProperties,
     TensorStorageMetadata,
 )
@@ -45,6 +46,8 @@ from torch.distributed.checkpoint.planner import LoadPlan, SavePlan, TensorWrite
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
 from megastrategy.checkpoint.layout import Chunk, TensorLayout
+from megastrategy.checkpoint.safe_unpickle import load_byte_item, load_metadata_pickle
+from megastrategy.errors import UnsafeCheckpointError
 
 PathLike = Union[str, os.PathLike]
 METADATA_FILE = ".metadata"  # written last by DCP's coordinator
@@ -196,11 +199,17 @@ class _SavePlanner(DefaultSavePlanner):
 
 
 class _LoadPlanner(DefaultLoadPlanner):
-    """DCP's default load planner plus read items for :class:`ChunkedTensor` entries."""
+    """DCP's default load planner plus read items for :class:`ChunkedTensor` entries; byte items
+    are read as data only (:mod:`.safe_unpickle`), never with ``weights_only=False``."""
 
-    def __init__(self, chunked: dict[str, ChunkedTensor]):
+    def __init__(self, chunked: dict[str, ChunkedTensor], path: Path):
         super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False, allow_partial_load=False)
         self._chunked = chunked
+        self._path = path
+
+    def load_bytes(self, read_item: Any, value: Any) -> None:
+        fqn = read_item.dest_index.fqn
+        self.state_dict[fqn] = load_byte_item(value, f"{self._path}: the item {fqn!r}")
 
     def create_local_plan(self) -> LoadPlan:
         plan = super().create_local_plan()
@@ -221,6 +230,21 @@ class _LoadPlanner(DefaultLoadPlanner):
         if obj is not None:
             return obj.chunk_at(index)
         return super().lookup_tensor(index)
+
+
+class SafeFileSystemReader(FileSystemReader):
+    """DCP's file reader, with ``.metadata`` unpickled as data only (:mod:`.safe_unpickle`)."""
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        path = self._get_metadata_path(kwargs.get("rank"))
+        with self.fs.create_stream(path, "rb") as metadata_file:
+            metadata = load_metadata_pickle(metadata_file, str(path))
+        if not isinstance(metadata, Metadata):
+            raise CheckpointNotFoundError(f"{path} holds a {type(metadata).__name__}, not DCP metadata.")
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
 
 
 # ------------------------------------------------------------------------------------ directories
@@ -322,7 +346,7 @@ def check_checkpoint_dir(path: PathLike) -> Path:
 
 def read_metadata(path: PathLike) -> Metadata:
     """DCP's metadata (every key with its global size and chunks); raises when incomplete."""
-    return FileSystemReader(str(check_checkpoint_dir(path))).read_metadata()
+    return SafeFileSystemReader(str(check_checkpoint_dir(path))).read_metadata()
 
 
 def verify_shard_files(path: PathLike, metadata: Metadata) -> None:
@@ -353,14 +377,18 @@ def load_state(path: PathLike, objects: dict[str, Any]) -> dict[str, Any]:
     plain, chunked = split_objects(objects)
     if not plain and not chunked:
         return plain
-    reader = FileSystemReader(str(p))
+    reader = SafeFileSystemReader(str(p))
     verify_shard_files(p, reader.read_metadata())
     with warnings.catch_warnings():  # no_dist is deliberate (see the module docstring)
         warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single process")
         try:
-            dcp.load(plain, storage_reader=reader, planner=_LoadPlanner(chunked), no_dist=True)
+            dcp.load(plain, storage_reader=reader, planner=_LoadPlanner(chunked, p), no_dist=True)
         except CheckpointException as err:  # e.g. a shard of the right size with garbage in it
-            causes = "; ".join(f"{type(e).__name__}: {e}" for e in err.failures.values())
+            failures = [f[0] if isinstance(f, tuple) else f for f in err.failures.values()]
+            unsafe = next((e for e in failures if isinstance(e, UnsafeCheckpointError)), None)
+            if unsafe is not None:
+                raise unsafe from None
+            causes = "; ".join(f"{type(e).__name__}: {e}" for e in failures)
             raise CheckpointCorruptError(f"{p} could not be read ({causes or err}); the shard files are damaged.") from err
     return plain
 

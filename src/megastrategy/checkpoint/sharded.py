@@ -46,6 +46,7 @@ from megastrategy.checkpoint.dcp_io import (
     to_dcp_object,
 )
 from megastrategy.checkpoint.layout import ModuleLayout, TensorLayout, module_layout
+from megastrategy.checkpoint.safe_unpickle import as_data
 
 FORMAT = "megastrategy-dcp-v1"
 MODEL = "model/"
@@ -170,10 +171,10 @@ def save_sharded(
             "layout": layout_record,
             "stack_path": stack_path,
             "num_optimizers": None if optimizers is None else len(optimizers),
-            "torch": torch.__version__,
+            "torch": str(torch.__version__),
         }
         if lightning is not None:
-            objects[LIGHTNING_KEY] = lightning
+            objects[LIGHTNING_KEY] = as_data(lightning)
     save_state(path, objects, is_coordinator=is_coordinator, **({"barrier": barrier} if barrier else {}))
 
 

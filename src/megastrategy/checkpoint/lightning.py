@@ -21,7 +21,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
-from megastrategy.checkpoint.dcp_io import PathLike
+from torch import Tensor
+
+from megastrategy.checkpoint.compatibility import check_model_matches
+from megastrategy.checkpoint.dcp_io import PathLike, read_metadata
 from megastrategy.checkpoint.resume import ExactResume
 from megastrategy.checkpoint.sharded import (
     DeferredOptimizerStates,
@@ -33,6 +36,7 @@ from megastrategy.checkpoint.sharded import (
     read_rank_state,
     read_rank_states,
     save_sharded,
+    saved_model_shapes,
 )
 
 _TENSOR_KEYS = ("state_dict", "optimizer_states")
@@ -88,6 +92,7 @@ def load_lightning_checkpoint(site: CheckpointSite, path: PathLike) -> dict[str,
         load_model_(path, module, site.parallel_state, plan=site.plan, strict=strict)
         checkpoint["state_dict"] = module.state_dict()
     else:
+        _check_whole_model(path, module)
         checkpoint["state_dict"] = load_full_model_state(path)
     count = info.get("num_optimizers")
     if count is not None:  # None: a weights-only checkpoint
@@ -107,3 +112,11 @@ def _load_resume_state(site: CheckpointSite, path: PathLike, saved: Optional[dic
     site.exact_resume.load_other_layout(
         read_rank_states(path, range(world)), saved_dp=(saved or {}).get("dp"), describe=f"{saved} -> {here}"
     )
+
+
+def _check_whole_model(path: PathLike, module: Any) -> None:
+    """Before Lightning loads the full state dict into the user's (not yet sharded) module."""
+    here = {k: tuple(v.shape) for k, v in module.state_dict().items() if isinstance(v, Tensor)}
+    if here:  # a model built later (configure_model) is checked when it is loaded in place
+        saved = saved_model_shapes(read_metadata(path).state_dict_metadata)
+        check_model_matches(path, saved, here, strict=bool(getattr(module, "strict_loading", True)), whole=True)

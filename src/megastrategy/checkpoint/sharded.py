@@ -45,6 +45,7 @@ from megastrategy.checkpoint.dcp_io import (
     template_for,
     to_dcp_object,
 )
+from megastrategy.checkpoint.compatibility import check_model_matches, check_optimizers_match, optimizer_record
 from megastrategy.checkpoint.layout import ModuleLayout, TensorLayout, module_layout
 from megastrategy.checkpoint.safe_unpickle import as_data
 
@@ -171,6 +172,7 @@ def save_sharded(
             "layout": layout_record,
             "stack_path": stack_path,
             "num_optimizers": None if optimizers is None else len(optimizers),
+            "optimizers": None if optimizers is None else optimizer_record(optimizers),
             "torch": str(torch.__version__),
         }
         if lightning is not None:
@@ -294,31 +296,22 @@ def load_model_(
     """
     md = read_metadata(path).state_dict_metadata
     layout, meshes = _layout(module, parallel_state, plan)
+    here = {lay.name: tuple(lay.canonical_shape(t)) for t, lay in layout.tensors.values()}
+    check_model_matches(path, saved_model_shapes(md), here, strict=strict, whole=False)
+    missing = [name for name in here if MODEL + name not in md]
     objects: dict[str, Any] = {}
-    missing: list[str] = []
     with torch.no_grad():
         for _key, (t, lay) in layout.tensors.items():
-            key = MODEL + lay.name
-            saved = md.get(key)
-            if saved is None:
-                missing.append(lay.name)
-                continue
-            want = torch.Size(lay.canonical_shape(t))
-            if not isinstance(saved, TensorStorageMetadata) or saved.size != want:
-                found = tuple(saved.size) if isinstance(saved, TensorStorageMetadata) else "an object"
-                raise ValueError(
-                    f"{path}: {lay.name} has shape {found} in the checkpoint but {tuple(want)} in this "
-                    "model (shapes are compared unsharded and unpadded); the model's architecture differs."
-                )
-            objects[key] = to_dcp_object(lay, t, meshes)
-        if strict and missing:
-            raise KeyError(
-                f"{path} lacks {len(missing)} of this model's tensors: {missing[:10]}"
-                + (" ..." if len(missing) > 10 else "")
-                + " (pass strict=False / LightningModule.strict_loading=False to load the rest)."
-            )
+            if MODEL + lay.name in md:
+                objects[MODEL + lay.name] = to_dcp_object(lay, t, meshes)
         load_state(path, objects)
     return IncompatibleKeys(missing, [])
+
+
+def saved_model_shapes(md: dict[str, Any]) -> dict[str, tuple]:
+    """The checkpoint's model tensors with their (unsharded, unpadded) shapes, in saved order."""
+    return {k[len(MODEL):]: tuple(v.size) if isinstance(v, TensorStorageMetadata) else ("an object",)
+            for k, v in md.items() if k.startswith(MODEL)}
 
 
 def load_optimizer_states(
@@ -335,6 +328,7 @@ def load_optimizer_states(
     (only this rank's chunks are read), and numbered like ``optimizer.state_dict()`` numbers
     the current parameters, so ``optimizer.load_state_dict`` takes them as they are.
     """
+    check_optimizers_match(path, read_info(path).get("optimizers"), optimizers)
     md = read_metadata(path).state_dict_metadata
     layout, meshes = _layout(module, parallel_state, plan)
     templates = _OptimizerTemplates(md, layout, meshes)

@@ -131,6 +131,7 @@ def main() -> None:
     p.add_argument("--accumulate", type=int, default=1)
     p.add_argument("--distributed-optimizer", action="store_true", help="MegatronStrategy(use_distributed_optimizer=True)")
     p.add_argument("--overlap-grad-reduce", action="store_true", help="MegatronStrategy(overlap_grad_reduce=True)")
+    p.add_argument("--async-checkpoint", action="store_true", help="MegatronStrategy(async_checkpoint=True)")
     p.add_argument("--bucket-numel", type=int, help="MegatronStrategy(bucket_numel=...)")
     p.add_argument("--sequence-parallel", action="store_true", help="MegatronStrategy(sequence_parallel=True)")
     p.add_argument("--recompute", choices=["full", "selective"], help="MegatronStrategy(activation_checkpointing=...)")
@@ -169,6 +170,8 @@ def main() -> None:
         extra = {"detect_anomalies": True, "on_nonfinite": args.on_nonfinite} if args.on_nonfinite else {}
         if args.bucket_numel:
             extra["bucket_numel"] = args.bucket_numel
+        if args.async_checkpoint:
+            extra["async_checkpoint"] = True
         if args.distributed_optimizer or args.overlap_grad_reduce:
             extra.update(use_distributed_optimizer=args.distributed_optimizer, overlap_grad_reduce=args.overlap_grad_reduce)
         if args.sequence_parallel or args.recompute:

@@ -20,6 +20,7 @@ so a load needs no collective (and a rank that fails cannot hang the others insi
 """
 from __future__ import annotations
 
+import copy
 import dataclasses
 import os
 import shutil
@@ -274,30 +275,73 @@ def save_state(
     directory to ``path`` (an existing checkpoint there is replaced). A crash leaves at most
     a ``.tmp`` directory that no loader accepts.
     """
+    tmp = prepare_tmp_dir(path, is_coordinator=is_coordinator, barrier=barrier)
+    write_dcp(tmp, objects)
+    barrier()
+    if is_coordinator:
+        publish(path)
+    barrier()
+
+
+def prepare_tmp_dir(path: PathLike, *, is_coordinator: bool, barrier: Callable[[], None]) -> Path:
+    """Collective: an empty ``<path>.tmp`` for every rank to write into (made by the coordinator)."""
     final = Path(path)
     tmp = final.with_name(final.name + TMP_SUFFIX)
-    old = final.with_name(final.name + OLD_SUFFIX)
     if is_coordinator:
         recover_replaced_checkpoint(final)
         _rmtree(tmp)
         tmp.mkdir(parents=True)
     barrier()
+    return tmp
+
+
+def write_dcp(tmp: Path, objects: dict[str, Any], process_group: Any = None) -> None:
+    """Collective over ``process_group``: DCP writes this rank's ``objects`` into ``tmp``."""
     plain, chunked = split_objects(objects)
     dcp.save(
         plain,
         storage_writer=FileSystemWriter(str(tmp), single_file_per_rank=True, sync_files=True, thread_count=1),
         planner=_SavePlanner(chunked),
+        process_group=process_group,
     )
-    barrier()
-    if is_coordinator:
-        if not (tmp / METADATA_FILE).is_file():  # pragma: no cover - DCP raises first
-            raise RuntimeError(f"DCP finished without writing {tmp / METADATA_FILE}")
-        if final.exists() or final.is_symlink():
-            _rmtree(old)
-            os.replace(final, old)
-        os.replace(tmp, final)
+
+
+def publish(path: PathLike) -> None:
+    """Coordinator, after every rank's data and ``.metadata`` are in ``<path>.tmp``: make it ``path``."""
+    final = Path(path)
+    tmp = final.with_name(final.name + TMP_SUFFIX)
+    old = final.with_name(final.name + OLD_SUFFIX)
+    if not (tmp / METADATA_FILE).is_file():  # pragma: no cover - DCP raises first
+        raise RuntimeError(f"DCP finished without writing {tmp / METADATA_FILE}")
+    if final.exists() or final.is_symlink():
         _rmtree(old)
-    barrier()
+        os.replace(final, old)
+    os.replace(tmp, final)
+    _rmtree(old)
+
+
+def snapshot(objects: dict[str, Any]) -> dict[str, Any]:
+    """A copy of ``objects`` on the CPU that training may not change while it is written:
+    tensors cloned, DTensors as :class:`ChunkedTensor`\\ s of cloned local pieces (the same on
+    disk), other objects deep-copied."""
+    from torch.distributed.tensor import DTensor
+
+    out: dict[str, Any] = {}
+    for key, value in objects.items():
+        if isinstance(value, DTensor):
+            (placed,) = value.__create_chunk_list__()
+            out[key] = ChunkedTensor(value.shape, [(tuple(placed.offsets), _cpu_copy(value.to_local()))])
+        elif isinstance(value, ChunkedTensor):
+            out[key] = ChunkedTensor(value.shape, [(o, _cpu_copy(v)) for o, v in value.chunks])
+        elif isinstance(value, Tensor):
+            out[key] = _cpu_copy(value)
+        else:
+            out[key] = copy.deepcopy(value)
+    return out
+
+
+def _cpu_copy(t: Tensor) -> Tensor:
+    return t.detach().to("cpu", copy=True)
 
 
 def recover_replaced_checkpoint(path: PathLike) -> bool:

@@ -57,6 +57,7 @@ class CheckpointSite:
     plan: Any = None
     stack_path: Optional[str] = None
     rng_tracker: Any = None
+    write: Optional[Callable[..., None]] = None  # None: synchronous (dcp_io.save_state)
 
 
 def save_lightning_checkpoint(site: CheckpointSite, checkpoint: dict[str, Any], filepath: PathLike) -> None:
@@ -76,6 +77,7 @@ def save_lightning_checkpoint(site: CheckpointSite, checkpoint: dict[str, Any], 
         is_coordinator=site.is_coordinator,
         barrier=site.barrier,
         rank_state=site.exact_resume.rank_state(site.rng_tracker, getattr(module, "_trainer", None)),
+        **({"write": site.write} if site.write is not None else {}),
     )
 
 

@@ -141,13 +141,15 @@ def save_sharded(
     is_coordinator: Optional[bool] = None,
     barrier: Optional[Callable[[], None]] = None,
     rank_state: Optional[dict] = None,
+    write: Callable[..., None] = save_state,
 ) -> None:
     """Collective over the default group: write this rank's share of the model and optimizers.
 
     ``optimizers=None`` saves no optimizer state (a weights-only checkpoint); ``optimizer_states``
     are the optimizers' ``state_dict()`` (taken from the optimizers when omitted); ``lightning``
     is the object stored as ``meta/lightning`` (coordinator only); ``rank_state`` is stored as
-    ``meta/rank_state/<this global rank>``.
+    ``meta/rank_state/<this global rank>``; ``write`` is :func:`~.dcp_io.save_state` or an
+    :class:`~.async_writer.AsyncCheckpointWriter`'s ``submit``.
     """
     if is_coordinator is None:
         is_coordinator = not dist.is_initialized() or dist.get_rank() == 0
@@ -177,7 +179,7 @@ def save_sharded(
         }
         if lightning is not None:
             objects[LIGHTNING_KEY] = as_data(lightning)
-    save_state(path, objects, is_coordinator=is_coordinator, **({"barrier": barrier} if barrier else {}))
+    write(path, objects, is_coordinator=is_coordinator, **({"barrier": barrier} if barrier else {}))
 
 
 # -------------------------------------------------------------------------------------------- read

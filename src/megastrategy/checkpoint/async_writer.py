@@ -18,7 +18,7 @@ from typing import Any, Callable, Optional
 
 import torch.distributed as dist
 
-from megastrategy.checkpoint.dcp_io import PathLike, prepare_tmp_dir, publish, snapshot, write_dcp
+from megastrategy.checkpoint.dcp_io import PathLike, default_barrier, prepare_tmp_dir, publish, snapshot, write_dcp
 
 __all__ = ["AsyncCheckpointWriter"]
 
@@ -31,7 +31,7 @@ class AsyncCheckpointWriter:
         self._group: Any = None
 
     def submit(self, path: PathLike, objects: dict[str, Any], *, is_coordinator: bool,
-               barrier: Callable[[], None]) -> None:
+               barrier: Callable[[], None] = default_barrier) -> None:
         """Collective: start writing ``objects`` to ``path``; returns once they are copied."""
         self.wait()
         tmp = prepare_tmp_dir(path, is_coordinator=is_coordinator, barrier=barrier)

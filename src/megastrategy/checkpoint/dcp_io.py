@@ -249,7 +249,7 @@ class SafeFileSystemReader(FileSystemReader):
 
 
 # ------------------------------------------------------------------------------------ directories
-def _barrier() -> None:
+def default_barrier() -> None:
     if dist.is_initialized():
         dist.barrier()
 
@@ -266,7 +266,7 @@ def save_state(
     objects: dict[str, Any],
     *,
     is_coordinator: bool,
-    barrier: Callable[[], None] = _barrier,
+    barrier: Callable[[], None] = default_barrier,
 ) -> None:
     """Collective: write ``objects`` (this rank's part) as one DCP checkpoint at ``path``.
 

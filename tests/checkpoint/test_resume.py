@@ -1,15 +1,18 @@
 """Exact resume: random streams per rank and the position in the epoch survive a checkpoint."""
 from __future__ import annotations
 
+import logging
 import random
+from types import SimpleNamespace
 from pathlib import Path
 
 import numpy
 import pytest
 import torch
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader, Dataset, IterableDataset
 
 from megastrategy.checkpoint.resumable_loader import ResumableLoader
+from megastrategy.checkpoint.resume import ExactResume
 from megastrategy.errors import CheckpointMismatchError
 from megastrategy.checkpoint.rng import capture_rng_states, restore_rng_states
 from megastrategy.layers.random import ModelParallelRNGTracker
@@ -75,6 +78,20 @@ def test_the_global_batch_keeps_the_position_when_dp_changes_and_another_one_is_
         other.load_state_dict({"batches_done": 3, "global_batch": 8})
     # at an epoch's end there is no position to keep: any batch size may start the next epoch
     other.load_state_dict({"batches_done": 10, "global_batch": 8})
+
+
+class Stream(IterableDataset):
+    def __iter__(self):
+        return iter(torch.arange(40.0).split(1))
+
+
+def test_a_stream_without_state_is_not_positioned_and_the_warning_says_what_repeats(caplog):
+    loop = SimpleNamespace(epoch_loop=SimpleNamespace(batch_progress=SimpleNamespace(current=SimpleNamespace(processed=3))))
+    loader = DataLoader(Stream(), batch_size=4)
+    with caplog.at_level(logging.WARNING, logger="megastrategy.checkpoint.resume"):
+        assert ExactResume().wrap_train_loader(loader, SimpleNamespace(fit_loop=loop)) is loader
+    assert "IterableDataset (Stream) that has no state_dict/load_state_dict, so it cannot be positioned" in caplog.text
+    assert "the 3 batches (12 samples per rank) trained before the checkpoint are seen again" in caplog.text
 
 
 def test_a_plain_restart_would_repeat_seen_batches():

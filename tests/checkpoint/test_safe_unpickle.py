@@ -78,3 +78,18 @@ def test_a_type_the_user_trusts_is_admitted_with_torchs_own_allow_list(tmp_path)
         read_lightning_metadata(tmp_path / "ckpt")
     with torch.serialization.safe_globals([UserConfig]):
         assert read_lightning_metadata(tmp_path / "ckpt")["hyper_parameters"]["config"] == UserConfig(64)
+
+
+def test_a_checkpoint_written_before_states_were_plain_data_still_resumes(tmp_path):
+    """Earlier versions stored NumPy's RNG state as its tuple with an ndarray: numeric arrays are data."""
+    import numpy
+
+    model = torch.nn.Linear(3, 2)
+    numpy.random.seed(4)
+    legacy = {"rng": {"numpy": numpy.random.get_state()}}
+    expected = numpy.random.rand()
+    with pytest.warns(UserWarning, match="single process"):
+        save_sharded(tmp_path / "old", module=model, rank_state=legacy)
+    numpy.random.seed(99)
+    restore_rng_states(read_rank_state(tmp_path / "old", 0)["rng"])
+    assert numpy.random.rand() == expected

@@ -114,10 +114,23 @@ def load_metadata_pickle(file: BinaryIO, source: str) -> Any:
                                     "nothing was loaded.") from err
 
 
-def load_byte_item(value: io.BytesIO, source: str) -> Any:
-    """``torch.load`` of one DCP byte item with torch's data-only unpickler."""
+def _numeric_numpy_arrays() -> list[Any]:
+    """What a NumPy array of numbers unpickles through (no code of its own runs): NumPy's RNG
+    state in checkpoints written before it was stored as tensors, arrays in callback state."""
     try:
-        with torch.serialization.safe_globals([TorchVersion]):  # a str, in checkpoints written before as_data
+        import numpy
+        from numpy._core.multiarray import _reconstruct
+    except ImportError:  # pragma: no cover - NumPy 1.x or no NumPy
+        return []
+    kinds = "?bhilqBHILQefdg"
+    return [_reconstruct, numpy.ndarray, numpy.dtype, *{type(numpy.dtype(k)) for k in kinds}]
+
+
+def load_byte_item(value: io.BytesIO, source: str) -> Any:
+    """``torch.load`` of one DCP byte item with torch's data-only unpickler (plus version
+    strings and numeric NumPy arrays)."""
+    try:
+        with torch.serialization.safe_globals([TorchVersion, *_numeric_numpy_arrays()]):
             return torch.load(value, weights_only=True)
     except pickle.UnpicklingError as err:
         raise _refuse_torch(source, err) from None

@@ -65,5 +65,9 @@ class AsyncCheckpointWriter:
         if pending is not None:
             pending.result()
 
+    def abandon(self) -> None:
+        """Forget the save in flight without waiting (after a failure; it may never finish)."""
+        self._pending = None
+
     def close(self) -> None:
         self.wait()

@@ -66,6 +66,12 @@ class Checkpoints(Component):
             write=self.writer.submit if self.writer is not None else None,
         )
 
+    def on_exception(self, exception: BaseException) -> None:
+        # A failed run does not wait for a save in flight (its peers may be gone); the previous
+        # checkpoint stays the loadable one and the daemon writer ends with the process.
+        if self.writer is not None:
+            self.writer.abandon()
+
     def teardown(self) -> None:
         if self.writer is not None:
             self.writer.close()  # the run ends when its last checkpoint is on disk

@@ -58,7 +58,18 @@ def _more(items: Sequence[Any]) -> str:
 def optimizer_record(optimizers: Sequence[torch.optim.Optimizer]) -> list[dict[str, Any]]:
     """What the checkpoint records to recognise its optimizers: type and number of parameter
     groups (not their sizes: a pipeline stage holds only its share of every group)."""
-    return [{"type": type(opt).__name__, "groups": len(opt.param_groups)} for opt in optimizers]
+    return [{"type": type(user_optimizer(opt)).__name__, "groups": len(opt.param_groups)} for opt in optimizers]
+
+
+def user_optimizer(opt: Any) -> Any:
+    """The optimizer ``configure_optimizers`` built, under the wrappers that step it (ZeRO-1's
+    ``DistributedOptimizer`` keeps it as ``user_optimizer``, Lightning's as ``_optimizer``): a
+    checkpoint resumes with or without the distributed optimizer."""
+    for attribute in ("user_optimizer", "_optimizer", "optimizer"):
+        inner = getattr(opt, attribute, None)
+        if isinstance(inner, torch.optim.Optimizer) and inner is not opt:
+            return user_optimizer(inner)
+    return opt
 
 
 def check_optimizers_match(path: Any, saved: Any, optimizers: Sequence[torch.optim.Optimizer]) -> None:

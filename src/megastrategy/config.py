@@ -45,6 +45,7 @@ CONSTRUCTOR_RULES: tuple[Rule, ...] = (
     Rule("num_microbatches", {"num_microbatches": 0}, _BAD_VALUES),
     Rule("tp_plan", {"tp_plan": ["blocks.*.qkv"]}, _BAD_VALUES),
     Rule("on_nonfinite", {"on_nonfinite": "ignore"}, _BAD_VALUES),
+    Rule("async_checkpoint", {"async_checkpoint": "yes"}, _BAD_VALUES),
     Rule("activation_checkpointing", {"activation_checkpointing": "partial"}, _BAD_VALUES),
     Rule("ep", {"ep": 2, "cp": 2}, "`ep > 1` with `cp > 1`"),
     Rule("cp_layout", {"cp": 2, "cp_layout": "zigzag"}, _BAD_VALUES),
@@ -96,6 +97,8 @@ class MegatronConfig:
         fp8: Transformer Engine FP8 autocast; amax reduced over the TP and DP ranks.
         cuda_graph_scope: partial CUDA graphs (GPU only) of ``"attn"``, ``"moe_router"``,
             ``"moe_preprocess"``, one set of static buffers per microbatch in flight.
+        async_checkpoint: write checkpoints from a background thread; training stalls only for a
+            CPU copy of the tensors.
     """
 
     tp: int = 1
@@ -125,6 +128,7 @@ class MegatronConfig:
     backend: str = "auto"
     fp8: bool = False
     cuda_graph_scope: Any = field(default=None)
+    async_checkpoint: bool = False
 
     def __post_init__(self) -> None:
         self._check_sizes()
@@ -164,6 +168,11 @@ class MegatronConfig:
                 raise MegatronConfigError(f"MegatronStrategy({name}={getattr(self, name)!r}): use one of {choices}.")
         if self.on_nonfinite not in ("skip", "raise"):
             raise MegatronConfigError(f"on_nonfinite={self.on_nonfinite!r}: use 'skip' or 'raise'.")
+        if not isinstance(self.async_checkpoint, bool):
+            raise MegatronConfigError(
+                f"MegatronStrategy(async_checkpoint={self.async_checkpoint!r}): use True (write checkpoints in a "
+                "background thread) or False (write them before training continues)."
+            )
 
     def _check_features(self) -> None:
         validate_sequence_parallel(tp=self.tp, sequence_parallel=self.sequence_parallel)

@@ -61,7 +61,7 @@ class MegatronStrategy(LightningStepMethods, CheckpointMethods, ReplicaCollectiv
         super().__init__(timeout=self.config.timeout, **lightning)
         self.layout: Optional[ParallelLayout] = None
         self.parallel_state: Optional[ParallelState] = None
-        self.grad_buffers, self.checkpoints = parts.GradientBuffers(self.config), parts.Checkpoints()
+        self.grad_buffers, self.checkpoints = parts.GradientBuffers(self.config), parts.Checkpoints(self.config)
         self.components = ComponentList(self.build_components(self.config))
         self._ctx: Optional[SetupContext] = None
         self._runner: Optional[StepRunner] = None

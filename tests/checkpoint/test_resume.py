@@ -1,15 +1,19 @@
 """Exact resume: random streams per rank and the position in the epoch survive a checkpoint."""
 from __future__ import annotations
 
+import logging
 import random
+from types import SimpleNamespace
 from pathlib import Path
 
 import numpy
 import pytest
 import torch
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader, Dataset, IterableDataset
 
 from megastrategy.checkpoint.resumable_loader import ResumableLoader
+from megastrategy.checkpoint.resume import ExactResume
+from megastrategy.errors import CheckpointMismatchError
 from megastrategy.checkpoint.rng import capture_rng_states, restore_rng_states
 from megastrategy.layers.random import ModelParallelRNGTracker
 from tests.helpers.launch import run_script, run_script_to_the_end
@@ -43,7 +47,7 @@ def test_a_resumed_loader_continues_with_the_next_unseen_batch_in_the_same_order
     resumed.load_state_dict(saved_state)
     resumed.resume_from(saved_start)
     rest = list(resumed)
-    assert saved_state == {"batches_done": 4}
+    assert saved_state == {"batches_done": 4, "global_batch": 4}
     assert len(rest) == len(batches) - 4
     for (index, noise), (index_ref, noise_ref) in zip(rest, batches[4:]):
         assert torch.equal(index, index_ref)  # the same shuffled order
@@ -51,6 +55,43 @@ def test_a_resumed_loader_continues_with_the_next_unseen_batch_in_the_same_order
             assert torch.equal(noise, noise_ref)
     # Only the resumed epoch is replayed; the next epoch is a fresh, full one.
     assert len(list(resumed)) == len(batches)
+
+
+def test_without_the_saved_random_state_the_loader_still_skips_the_finished_batches():
+    """Another layout has no saved twin of this rank: the position alone must still hold."""
+    ordered = lambda: DataLoader(NoisyDataset(), batch_size=4)  # noqa: E731 - a DistributedSampler's order is fixed too
+    batches = list(ordered())
+    resumed = ResumableLoader(ordered(), batches_done=lambda: 0)
+    resumed.load_state_dict({"batches_done": 3, "global_batch": 4})
+    rest = list(resumed)
+    assert [b[0].tolist() for b in rest] == [b[0].tolist() for b in batches[3:]]
+
+
+def test_the_global_batch_keeps_the_position_when_dp_changes_and_another_one_is_refused():
+    # saved on dp=2 with batch_size 4; resumed on dp=4 with batch_size 2: the same 8 samples per step
+    kept = ResumableLoader(DataLoader(NoisyDataset(), batch_size=2), batches_done=lambda: 0, data_parallel=4)
+    kept.load_state_dict({"batches_done": 3, "global_batch": 8})
+    assert kept.state_dict()["global_batch"] == 8
+    other = ResumableLoader(DataLoader(NoisyDataset(), batch_size=4), batches_done=lambda: 0, data_parallel=4)
+    with pytest.raises(CheckpointMismatchError, match=r"global batch of 8 samples, but this run's global batch is 16 "
+                       r"\(batch_size 4 x dp 4\).*Use batch_size=2 per device \(dp=4\)"):
+        other.load_state_dict({"batches_done": 3, "global_batch": 8})
+    # at an epoch's end there is no position to keep: any batch size may start the next epoch
+    other.load_state_dict({"batches_done": 10, "global_batch": 8})
+
+
+class Stream(IterableDataset):
+    def __iter__(self):
+        return iter(torch.arange(40.0).split(1))
+
+
+def test_a_stream_without_state_is_not_positioned_and_the_warning_says_what_repeats(caplog):
+    loop = SimpleNamespace(epoch_loop=SimpleNamespace(batch_progress=SimpleNamespace(current=SimpleNamespace(processed=3))))
+    loader = DataLoader(Stream(), batch_size=4)
+    with caplog.at_level(logging.WARNING, logger="megastrategy.checkpoint.resume"):
+        assert ExactResume().wrap_train_loader(loader, SimpleNamespace(fit_loop=loop)) is loader
+    assert "IterableDataset (Stream) that has no state_dict/load_state_dict, so it cannot be positioned" in caplog.text
+    assert "the 3 batches (12 samples per rank) trained before the checkpoint are seen again" in caplog.text
 
 
 def test_a_plain_restart_would_repeat_seen_batches():

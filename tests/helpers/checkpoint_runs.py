@@ -51,3 +51,19 @@ def bert_tp2() -> tuple[dict, Path]:
     args = ["--tp", "2", "--epochs", "2", "--ckpt-dir", str(folder), "--export-hf", str(folder / "hf")]
     result = run_script(SCRIPT, 2, BERT + args, timeout=400)
     return result, folder
+
+
+#: BERT classifier, dropout off, 64 examples in batches of 4 (16 per epoch at dp=1), 6 steps,
+#: every rank's example ids recorded
+MID_EPOCH_BERT = ["--model", "bert", "--strategy", "megatron", "--layers", "2", "--n-train", "64", "--steps", "6",
+                  "--no-val", "--log-ids", "--heartbeat-timeout", "10"]
+MID_EPOCH = "epoch=0-step=3.ckpt"
+
+
+@functools.lru_cache(maxsize=None)
+def mid_epoch_bert_run(layout: tuple[str, ...], nprocs: int) -> tuple[dict, Path]:
+    """6 uninterrupted steps on ``layout`` that save a checkpoint after step 3: (result, that checkpoint)."""
+    folder = _tmpdir("megastrategy-mid-epoch-")
+    args = [*MID_EPOCH_BERT, *layout, "--ckpt-dir", str(folder), "--ckpt-every", "3"]
+    result = run_script(SCRIPT, nprocs, args, timeout=400)
+    return result, folder / MID_EPOCH

@@ -35,6 +35,28 @@ class Recorder(Callback):
             self.val_loss.append(float(trainer.callback_metrics["val_loss"]))
 
 
+class ExampleIds(Callback):
+    """Which training examples each step used, over every data-parallel rank: each replica's
+    data-loading rank maps its batch's token rows back to dataset indices; rank 0 keeps them."""
+
+    def __init__(self, n_train: int):
+        from tests.helpers.models import TokenDataset
+
+        self.index = {tuple(row.tolist()): i for i, row in enumerate(TokenDataset(n_train).ids)}
+        self.per_step = []
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        import torch.distributed as dist
+
+        ps = getattr(trainer.strategy, "parallel_state", None)
+        loads = ps is None or ps.replica_ranks[0] == trainer.global_rank
+        mine = [self.index[tuple(row.tolist())] for row in batch["input_ids"].cpu()] if loads else []
+        gathered = [None] * dist.get_world_size() if dist.is_initialized() else [mine]
+        if dist.is_initialized():
+            dist.all_gather_object(gathered, mine)
+        self.per_step.append(sorted(i for ids in gathered for i in ids))
+
+
 class FaultInjector(Callback):
     """Makes one rank fail at one step: raise, die by SIGKILL, or produce a NaN gradient."""
 
@@ -85,6 +107,8 @@ def main() -> None:
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--optimizer", choices=["adamw", "sgd"], default="adamw")
     p.add_argument("--n-train", type=int, default=64)
+    p.add_argument("--batch-size", type=int, default=4, help="per-device batch size")
+    p.add_argument("--log-ids", action="store_true", help="record the training examples of every step (all dp ranks)")
     p.add_argument("--save", help="save a checkpoint here after fit")
     p.add_argument("--export-hf", help="after fit: strategy.export_hf(DIR) in small safetensors shards")
     p.add_argument("--resume", help="fit(ckpt_path=...) from here")
@@ -108,6 +132,7 @@ def main() -> None:
     p.add_argument("--accumulate", type=int, default=1)
     p.add_argument("--distributed-optimizer", action="store_true", help="MegatronStrategy(use_distributed_optimizer=True)")
     p.add_argument("--overlap-grad-reduce", action="store_true", help="MegatronStrategy(overlap_grad_reduce=True)")
+    p.add_argument("--async-checkpoint", action="store_true", help="MegatronStrategy(async_checkpoint=True)")
     p.add_argument("--bucket-numel", type=int, help="MegatronStrategy(bucket_numel=...)")
     p.add_argument("--sequence-parallel", action="store_true", help="MegatronStrategy(sequence_parallel=True)")
     p.add_argument("--recompute", choices=["full", "selective"], help="MegatronStrategy(activation_checkpointing=...)")
@@ -123,7 +148,8 @@ def main() -> None:
 
     torch.set_num_threads(1)
     L.seed_everything(7, verbose=False)
-    module = MODELS[args.model](n_layer=args.layers, optimizer=args.optimizer, n_train=args.n_train)
+    sizes = {"batch_size": args.batch_size} if args.batch_size != 4 else {}
+    module = MODELS[args.model](n_layer=args.layers, optimizer=args.optimizer, n_train=args.n_train, **sizes)
     if args.shuffle:
         module.shuffle_train = True
     if args.dropout is not None:
@@ -145,6 +171,8 @@ def main() -> None:
         extra = {"detect_anomalies": True, "on_nonfinite": args.on_nonfinite} if args.on_nonfinite else {}
         if args.bucket_numel:
             extra["bucket_numel"] = args.bucket_numel
+        if args.async_checkpoint:
+            extra["async_checkpoint"] = True
         if args.distributed_optimizer or args.overlap_grad_reduce:
             extra.update(use_distributed_optimizer=args.distributed_optimizer, overlap_grad_reduce=args.overlap_grad_reduce)
         if args.sequence_parallel or args.recompute:
@@ -160,6 +188,8 @@ def main() -> None:
         )
     rec = Recorder()
     callbacks = [rec]
+    ids = ExampleIds(args.n_train) if args.log_ids else None
+    callbacks += [ids] if ids is not None else []
     if args.fail_rank is not None:
         callbacks.append(FaultInjector(args.fail_rank, args.fail_step, args.fail_how))
     if args.callbacks:
@@ -201,6 +231,7 @@ def main() -> None:
     trainer.fit(module, ckpt_path=args.resume)
     strategy = trainer.strategy
     result = {"train_loss": rec.train_loss, "val_loss": rec.val_loss, "metrics": rec.metrics, "progress": rec.progress}
+    result["example_ids"] = ids.per_step if ids is not None else None
     result["final_metrics"] = {k: float(v) for k, v in trainer.callback_metrics.items()}
     if args.callbacks:
         result["best_model_score"] = float(trainer.checkpoint_callback.best_model_score)

@@ -8,22 +8,28 @@ from __future__ import annotations
 
 from typing import Any, Callable, Optional
 
+from megastrategy.checkpoint.async_writer import AsyncCheckpointWriter
 from megastrategy.checkpoint.dcp_io import PathLike
 from megastrategy.checkpoint.lightning import CheckpointSite, load_lightning_checkpoint, save_lightning_checkpoint
 from megastrategy.checkpoint.resume import ExactResume
 from megastrategy.component import Component, Environment, SetupContext
+from megastrategy.config import MegatronConfig
 
 
 class Checkpoints(Component):
-    """Sharded DCP checkpoints that reshard on load, and exact resume on the same layout."""
+    """Sharded DCP checkpoints that reshard on load, and resume at the next unseen sample on any layout."""
 
-    def __init__(self) -> None:
+    def __init__(self, config: Optional[MegatronConfig] = None) -> None:
         self.exact_resume = ExactResume()
+        self.writer = AsyncCheckpointWriter() if config is not None and config.async_checkpoint else None
         self._env: Optional[Environment] = None
         self._ctx: Optional[SetupContext] = None
 
     def on_environment(self, env: Environment) -> None:
         self._env = env
+        ps = env.parallel_state
+        self.exact_resume.set_position(dp_rank=ps.dp_rank, dp_size=ps.dp_size,
+                                       data_source=env.global_rank == ps.replica_ranks[0])
 
     def configure(self, ctx: SetupContext) -> None:
         self._ctx = ctx
@@ -41,7 +47,13 @@ class Checkpoints(Component):
              barrier: Callable[[], None]) -> None:
         save_lightning_checkpoint(self._site(module, optimizers, barrier), checkpoint, filepath)
 
+    def wait_for_writes(self) -> None:
+        """Return when the save in flight (``async_checkpoint=True``) is on disk under its final name."""
+        if self.writer is not None:
+            self.writer.wait()
+
     def load(self, module: Any, optimizers: Callable[[], list], path: PathLike) -> dict:
+        self.wait_for_writes()  # the checkpoint asked for may be the one being written
         return load_lightning_checkpoint(self._site(module, optimizers, lambda: None), path)
 
     def _site(self, module: Any, optimizers: Callable[[], list], barrier: Callable[[], None]) -> CheckpointSite:
@@ -55,7 +67,18 @@ class Checkpoints(Component):
             plan=ctx.plan if ctx is not None else None,
             stack_path=ctx.stage.stack_path if ctx is not None and ctx.stage is not None else None,
             rng_tracker=ctx.rng_tracker if ctx is not None else None,
+            write=self.writer.submit if self.writer is not None else None,
         )
+
+    def on_exception(self, exception: BaseException) -> None:
+        # A failed run does not wait for a save in flight (its peers may be gone); the previous
+        # checkpoint stays the loadable one and the daemon writer ends with the process.
+        if self.writer is not None:
+            self.writer.abandon()
+
+    def teardown(self) -> None:
+        if self.writer is not None:
+            self.writer.close()  # the run ends when its last checkpoint is on disk
 
 
 def layout_record(layout: Any) -> dict[str, Any]:

@@ -20,6 +20,7 @@ so a load needs no collective (and a rank that fails cannot hang the others insi
 """
 from __future__ import annotations
 
+import copy
 import dataclasses
 import os
 import shutil
@@ -38,6 +39,7 @@ from torch.distributed.checkpoint.metadata import (
     ChunkStorageMetadata,
     Metadata,
     MetadataIndex,
+    StorageMeta,
     TensorProperties,
     TensorStorageMetadata,
 )
@@ -45,6 +47,8 @@ from torch.distributed.checkpoint.planner import LoadPlan, SavePlan, TensorWrite
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
 from megastrategy.checkpoint.layout import Chunk, TensorLayout
+from megastrategy.checkpoint.safe_unpickle import load_byte_item, load_metadata_pickle
+from megastrategy.errors import UnsafeCheckpointError
 
 PathLike = Union[str, os.PathLike]
 METADATA_FILE = ".metadata"  # written last by DCP's coordinator
@@ -196,11 +200,17 @@ class _SavePlanner(DefaultSavePlanner):
 
 
 class _LoadPlanner(DefaultLoadPlanner):
-    """DCP's default load planner plus read items for :class:`ChunkedTensor` entries."""
+    """DCP's default load planner plus read items for :class:`ChunkedTensor` entries; byte items
+    are read as data only (:mod:`.safe_unpickle`), never with ``weights_only=False``."""
 
-    def __init__(self, chunked: dict[str, ChunkedTensor]):
+    def __init__(self, chunked: dict[str, ChunkedTensor], path: Path):
         super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False, allow_partial_load=False)
         self._chunked = chunked
+        self._path = path
+
+    def load_bytes(self, read_item: Any, value: Any) -> None:
+        fqn = read_item.dest_index.fqn
+        self.state_dict[fqn] = load_byte_item(value, f"{self._path}: the item {fqn!r}")
 
     def create_local_plan(self) -> LoadPlan:
         plan = super().create_local_plan()
@@ -223,8 +233,23 @@ class _LoadPlanner(DefaultLoadPlanner):
         return super().lookup_tensor(index)
 
 
+class SafeFileSystemReader(FileSystemReader):
+    """DCP's file reader, with ``.metadata`` unpickled as data only (:mod:`.safe_unpickle`)."""
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        path = self._get_metadata_path(kwargs.get("rank"))
+        with self.fs.create_stream(path, "rb") as metadata_file:
+            metadata = load_metadata_pickle(metadata_file, str(path))
+        if not isinstance(metadata, Metadata):
+            raise CheckpointNotFoundError(f"{path} holds a {type(metadata).__name__}, not DCP metadata.")
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+
 # ------------------------------------------------------------------------------------ directories
-def _barrier() -> None:
+def default_barrier() -> None:
     if dist.is_initialized():
         dist.barrier()
 
@@ -241,7 +266,7 @@ def save_state(
     objects: dict[str, Any],
     *,
     is_coordinator: bool,
-    barrier: Callable[[], None] = _barrier,
+    barrier: Callable[[], None] = default_barrier,
 ) -> None:
     """Collective: write ``objects`` (this rank's part) as one DCP checkpoint at ``path``.
 
@@ -250,30 +275,73 @@ def save_state(
     directory to ``path`` (an existing checkpoint there is replaced). A crash leaves at most
     a ``.tmp`` directory that no loader accepts.
     """
+    tmp = prepare_tmp_dir(path, is_coordinator=is_coordinator, barrier=barrier)
+    write_dcp(tmp, objects)
+    barrier()
+    if is_coordinator:
+        publish(path)
+    barrier()
+
+
+def prepare_tmp_dir(path: PathLike, *, is_coordinator: bool, barrier: Callable[[], None]) -> Path:
+    """Collective: an empty ``<path>.tmp`` for every rank to write into (made by the coordinator)."""
     final = Path(path)
     tmp = final.with_name(final.name + TMP_SUFFIX)
-    old = final.with_name(final.name + OLD_SUFFIX)
     if is_coordinator:
         recover_replaced_checkpoint(final)
         _rmtree(tmp)
         tmp.mkdir(parents=True)
     barrier()
+    return tmp
+
+
+def write_dcp(tmp: Path, objects: dict[str, Any], process_group: Any = None) -> None:
+    """Collective over ``process_group``: DCP writes this rank's ``objects`` into ``tmp``."""
     plain, chunked = split_objects(objects)
     dcp.save(
         plain,
         storage_writer=FileSystemWriter(str(tmp), single_file_per_rank=True, sync_files=True, thread_count=1),
         planner=_SavePlanner(chunked),
+        process_group=process_group,
     )
-    barrier()
-    if is_coordinator:
-        if not (tmp / METADATA_FILE).is_file():  # pragma: no cover - DCP raises first
-            raise RuntimeError(f"DCP finished without writing {tmp / METADATA_FILE}")
-        if final.exists() or final.is_symlink():
-            _rmtree(old)
-            os.replace(final, old)
-        os.replace(tmp, final)
+
+
+def publish(path: PathLike) -> None:
+    """Coordinator, after every rank's data and ``.metadata`` are in ``<path>.tmp``: make it ``path``."""
+    final = Path(path)
+    tmp = final.with_name(final.name + TMP_SUFFIX)
+    old = final.with_name(final.name + OLD_SUFFIX)
+    if not (tmp / METADATA_FILE).is_file():  # pragma: no cover - DCP raises first
+        raise RuntimeError(f"DCP finished without writing {tmp / METADATA_FILE}")
+    if final.exists() or final.is_symlink():
         _rmtree(old)
-    barrier()
+        os.replace(final, old)
+    os.replace(tmp, final)
+    _rmtree(old)
+
+
+def snapshot(objects: dict[str, Any]) -> dict[str, Any]:
+    """A copy of ``objects`` on the CPU that training may not change while it is written:
+    tensors cloned, DTensors as :class:`ChunkedTensor`\\ s of cloned local pieces (the same on
+    disk), other objects deep-copied."""
+    from torch.distributed.tensor import DTensor
+
+    out: dict[str, Any] = {}
+    for key, value in objects.items():
+        if isinstance(value, DTensor):
+            (placed,) = value.__create_chunk_list__()
+            out[key] = ChunkedTensor(value.shape, [(tuple(placed.offsets), _cpu_copy(value.to_local()))])
+        elif isinstance(value, ChunkedTensor):
+            out[key] = ChunkedTensor(value.shape, [(o, _cpu_copy(v)) for o, v in value.chunks])
+        elif isinstance(value, Tensor):
+            out[key] = _cpu_copy(value)
+        else:
+            out[key] = copy.deepcopy(value)
+    return out
+
+
+def _cpu_copy(t: Tensor) -> Tensor:
+    return t.detach().to("cpu", copy=True)
 
 
 def recover_replaced_checkpoint(path: PathLike) -> bool:
@@ -322,7 +390,7 @@ def check_checkpoint_dir(path: PathLike) -> Path:
 
 def read_metadata(path: PathLike) -> Metadata:
     """DCP's metadata (every key with its global size and chunks); raises when incomplete."""
-    return FileSystemReader(str(check_checkpoint_dir(path))).read_metadata()
+    return SafeFileSystemReader(str(check_checkpoint_dir(path))).read_metadata()
 
 
 def verify_shard_files(path: PathLike, metadata: Metadata) -> None:
@@ -353,14 +421,18 @@ def load_state(path: PathLike, objects: dict[str, Any]) -> dict[str, Any]:
     plain, chunked = split_objects(objects)
     if not plain and not chunked:
         return plain
-    reader = FileSystemReader(str(p))
+    reader = SafeFileSystemReader(str(p))
     verify_shard_files(p, reader.read_metadata())
     with warnings.catch_warnings():  # no_dist is deliberate (see the module docstring)
         warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single process")
         try:
-            dcp.load(plain, storage_reader=reader, planner=_LoadPlanner(chunked), no_dist=True)
+            dcp.load(plain, storage_reader=reader, planner=_LoadPlanner(chunked, p), no_dist=True)
         except CheckpointException as err:  # e.g. a shard of the right size with garbage in it
-            causes = "; ".join(f"{type(e).__name__}: {e}" for e in err.failures.values())
+            failures = [f[0] if isinstance(f, tuple) else f for f in err.failures.values()]
+            unsafe = next((e for e in failures if isinstance(e, UnsafeCheckpointError)), None)
+            if unsafe is not None:
+                raise unsafe from None
+            causes = "; ".join(f"{type(e).__name__}: {e}" for e in failures)
             raise CheckpointCorruptError(f"{p} could not be read ({causes or err}); the shard files are damaged.") from err
     return plain
 

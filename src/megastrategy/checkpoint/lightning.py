@@ -21,7 +21,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
-from megastrategy.checkpoint.dcp_io import PathLike
+from torch import Tensor
+
+from megastrategy.checkpoint.compatibility import check_model_matches
+from megastrategy.checkpoint.dcp_io import PathLike, read_metadata
 from megastrategy.checkpoint.resume import ExactResume
 from megastrategy.checkpoint.sharded import (
     DeferredOptimizerStates,
@@ -31,7 +34,9 @@ from megastrategy.checkpoint.sharded import (
     read_info,
     read_lightning_metadata,
     read_rank_state,
+    read_rank_states,
     save_sharded,
+    saved_model_shapes,
 )
 
 _TENSOR_KEYS = ("state_dict", "optimizer_states")
@@ -52,6 +57,7 @@ class CheckpointSite:
     plan: Any = None
     stack_path: Optional[str] = None
     rng_tracker: Any = None
+    write: Optional[Callable[..., None]] = None  # None: synchronous (dcp_io.save_state)
 
 
 def save_lightning_checkpoint(site: CheckpointSite, checkpoint: dict[str, Any], filepath: PathLike) -> None:
@@ -71,6 +77,7 @@ def save_lightning_checkpoint(site: CheckpointSite, checkpoint: dict[str, Any], 
         is_coordinator=site.is_coordinator,
         barrier=site.barrier,
         rank_state=site.exact_resume.rank_state(site.rng_tracker, getattr(module, "_trainer", None)),
+        **({"write": site.write} if site.write is not None else {}),
     )
 
 
@@ -81,15 +88,13 @@ def load_lightning_checkpoint(site: CheckpointSite, path: PathLike) -> dict[str,
     module = site.module
     trainer = getattr(module, "_trainer", None)
     if trainer is not None and trainer.state.fn == "fit":  # random streams and loader position for the restart
-        saved, here = info.get("layout"), site.layout_record
-        site.exact_resume.load(
-            read_rank_state(path, site.global_rank), same_layout=saved == here, describe=f"{saved} -> {here}"
-        )
+        _load_resume_state(site, path, info.get("layout"))
     if getattr(module, "_megastrategy_sharded", False):
         strict = bool(getattr(module, "strict_loading", True))
         load_model_(path, module, site.parallel_state, plan=site.plan, strict=strict)
         checkpoint["state_dict"] = module.state_dict()
     else:
+        _check_whole_model(path, module)
         checkpoint["state_dict"] = load_full_model_state(path)
     count = info.get("num_optimizers")
     if count is not None:  # None: a weights-only checkpoint
@@ -98,3 +103,22 @@ def load_lightning_checkpoint(site: CheckpointSite, path: PathLike) -> dict[str,
             lambda: load_optimizer_states(path, site.module, site.optimizers(), site.parallel_state, plan=site.plan),
         )
     return checkpoint
+
+
+def _load_resume_state(site: CheckpointSite, path: PathLike, saved: Optional[dict[str, Any]]) -> None:
+    here = site.layout_record
+    if saved == here:
+        site.exact_resume.load(read_rank_state(path, site.global_rank))
+        return
+    world = int((saved or {}).get("world_size") or 0)
+    site.exact_resume.load_other_layout(
+        read_rank_states(path, range(world)), saved_dp=(saved or {}).get("dp"), describe=f"{saved} -> {here}"
+    )
+
+
+def _check_whole_model(path: PathLike, module: Any) -> None:
+    """Before Lightning loads the full state dict into the user's (not yet sharded) module."""
+    here = {k: tuple(v.shape) for k, v in module.state_dict().items() if isinstance(v, Tensor)}
+    if here:  # a model built later (configure_model) is checked when it is loaded in place
+        saved = saved_model_shapes(read_metadata(path).state_dict_metadata)
+        check_model_matches(path, saved, here, strict=bool(getattr(module, "strict_loading", True)), whole=True)

@@ -20,14 +20,15 @@ __all__ = ["capture_rng_states", "restore_rng_states"]
 
 
 def capture_rng_states(tracker: Optional[Any] = None) -> dict[str, Any]:
-    """This process's random states (CPU tensors and plain Python objects, cheap to pickle)."""
+    """This process's random states as data only (CPU tensors, numbers, strings), which the
+    checkpoint's restricted unpickler reads back without trusting any type."""
     states: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate()}
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         states["cuda"] = torch.cuda.get_rng_state_all()
     try:
         import numpy
 
-        states["numpy"] = numpy.random.get_state()
+        states["numpy"] = _numpy_state_as_data(numpy.random.get_state())
     except ImportError:  # pragma: no cover - numpy comes with torch's usual installs
         pass
     if tracker is not None and tracker.is_initialized:
@@ -53,8 +54,22 @@ def restore_rng_states(states: dict[str, Any], tracker: Optional[Any] = None) ->
         try:
             import numpy
 
-            numpy.random.set_state(states["numpy"])
+            numpy.random.set_state(_numpy_state_from_data(states["numpy"]))
         except ImportError:  # pragma: no cover
             pass
     if "model_parallel" in states and tracker is not None:
         tracker.set_state(states["model_parallel"])
+
+
+def _numpy_state_as_data(state: tuple) -> dict[str, Any]:
+    """NumPy's legacy state tuple without its ``ndarray`` (a type a data-only unpickler refuses)."""
+    kind, keys, pos, has_gauss, cached = state
+    return {"kind": str(kind), "keys": torch.from_numpy(keys.astype("int64")), "pos": int(pos),
+            "has_gauss": int(has_gauss), "cached_gaussian": float(cached)}
+
+
+def _numpy_state_from_data(data: Any) -> tuple:
+    if isinstance(data, tuple):  # a checkpoint written before states were stored as data
+        return data
+    keys = data["keys"].numpy().astype("uint32")
+    return data["kind"], keys, data["pos"], data["has_gauss"], data["cached_gaussian"]

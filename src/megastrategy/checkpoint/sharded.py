@@ -45,7 +45,9 @@ from megastrategy.checkpoint.dcp_io import (
     template_for,
     to_dcp_object,
 )
+from megastrategy.checkpoint.compatibility import check_model_matches, check_optimizers_match, optimizer_record
 from megastrategy.checkpoint.layout import ModuleLayout, TensorLayout, module_layout
+from megastrategy.checkpoint.safe_unpickle import as_data
 
 FORMAT = "megastrategy-dcp-v1"
 MODEL = "model/"
@@ -66,6 +68,7 @@ __all__ = [
     "read_info",
     "read_lightning_metadata",
     "read_rank_state",
+    "read_rank_states",
     "load_full_state_dict",
 ]
 
@@ -139,13 +142,15 @@ def save_sharded(
     is_coordinator: Optional[bool] = None,
     barrier: Optional[Callable[[], None]] = None,
     rank_state: Optional[dict] = None,
+    write: Callable[..., None] = save_state,
 ) -> None:
     """Collective over the default group: write this rank's share of the model and optimizers.
 
     ``optimizers=None`` saves no optimizer state (a weights-only checkpoint); ``optimizer_states``
     are the optimizers' ``state_dict()`` (taken from the optimizers when omitted); ``lightning``
     is the object stored as ``meta/lightning`` (coordinator only); ``rank_state`` is stored as
-    ``meta/rank_state/<this global rank>``.
+    ``meta/rank_state/<this global rank>``; ``write`` is :func:`~.dcp_io.save_state` or an
+    :class:`~.async_writer.AsyncCheckpointWriter`'s ``submit``.
     """
     if is_coordinator is None:
         is_coordinator = not dist.is_initialized() or dist.get_rank() == 0
@@ -170,11 +175,12 @@ def save_sharded(
             "layout": layout_record,
             "stack_path": stack_path,
             "num_optimizers": None if optimizers is None else len(optimizers),
-            "torch": torch.__version__,
+            "optimizers": None if optimizers is None else optimizer_record(optimizers),
+            "torch": str(torch.__version__),
         }
         if lightning is not None:
-            objects[LIGHTNING_KEY] = lightning
-    save_state(path, objects, is_coordinator=is_coordinator, **({"barrier": barrier} if barrier else {}))
+            objects[LIGHTNING_KEY] = as_data(lightning)
+    write(path, objects, is_coordinator=is_coordinator, **({"barrier": barrier} if barrier else {}))
 
 
 # -------------------------------------------------------------------------------------------- read
@@ -200,6 +206,13 @@ def read_lightning_metadata(path: PathLike) -> dict[str, Any]:
 def read_rank_state(path: PathLike, rank: int) -> Optional[dict[str, Any]]:
     """Global rank ``rank``'s ``meta/rank_state`` record (``None`` when the checkpoint has none)."""
     return _read_objects(path, [f"{RANK_STATE_PREFIX}{rank}"]).get(f"{RANK_STATE_PREFIX}{rank}")
+
+
+def read_rank_states(path: PathLike, ranks: Iterable[int]) -> list[dict[str, Any]]:
+    """The ``meta/rank_state`` records of ``ranks`` that the checkpoint holds (one read)."""
+    keys = [f"{RANK_STATE_PREFIX}{r}" for r in ranks]
+    loaded = _read_objects(path, keys)
+    return [loaded[k] for k in keys if loaded.get(k) is not None]
 
 
 def merge_orders(orders: Iterable[list[str]]) -> list[str]:
@@ -278,31 +291,22 @@ def load_model_(
     """
     md = read_metadata(path).state_dict_metadata
     layout, meshes = _layout(module, parallel_state, plan)
+    here = {lay.name: tuple(lay.canonical_shape(t)) for t, lay in layout.tensors.values()}
+    check_model_matches(path, saved_model_shapes(md), here, strict=strict, whole=False)
+    missing = [name for name in here if MODEL + name not in md]
     objects: dict[str, Any] = {}
-    missing: list[str] = []
     with torch.no_grad():
         for _key, (t, lay) in layout.tensors.items():
-            key = MODEL + lay.name
-            saved = md.get(key)
-            if saved is None:
-                missing.append(lay.name)
-                continue
-            want = torch.Size(lay.canonical_shape(t))
-            if not isinstance(saved, TensorStorageMetadata) or saved.size != want:
-                found = tuple(saved.size) if isinstance(saved, TensorStorageMetadata) else "an object"
-                raise ValueError(
-                    f"{path}: {lay.name} has shape {found} in the checkpoint but {tuple(want)} in this "
-                    "model (shapes are compared unsharded and unpadded); the model's architecture differs."
-                )
-            objects[key] = to_dcp_object(lay, t, meshes)
-        if strict and missing:
-            raise KeyError(
-                f"{path} lacks {len(missing)} of this model's tensors: {missing[:10]}"
-                + (" ..." if len(missing) > 10 else "")
-                + " (pass strict=False / LightningModule.strict_loading=False to load the rest)."
-            )
+            if MODEL + lay.name in md:
+                objects[MODEL + lay.name] = to_dcp_object(lay, t, meshes)
         load_state(path, objects)
     return IncompatibleKeys(missing, [])
+
+
+def saved_model_shapes(md: dict[str, Any]) -> dict[str, tuple]:
+    """The checkpoint's model tensors with their (unsharded, unpadded) shapes, in saved order."""
+    return {k[len(MODEL):]: tuple(v.size) if isinstance(v, TensorStorageMetadata) else ("an object",)
+            for k, v in md.items() if k.startswith(MODEL)}
 
 
 def load_optimizer_states(
@@ -319,6 +323,7 @@ def load_optimizer_states(
     (only this rank's chunks are read), and numbered like ``optimizer.state_dict()`` numbers
     the current parameters, so ``optimizer.load_state_dict`` takes them as they are.
     """
+    check_optimizers_match(path, read_info(path).get("optimizers"), optimizers)
     md = read_metadata(path).state_dict_metadata
     layout, meshes = _layout(module, parallel_state, plan)
     templates = _OptimizerTemplates(md, layout, meshes)

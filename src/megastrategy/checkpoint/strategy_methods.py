@@ -48,6 +48,7 @@ class CheckpointMethods:
         staging = out.with_name(out.name + ".staging")
         self.checkpoints.save(self.lightning_module, lambda: [], {}, staging,
                               lambda: self.barrier("megastrategy.export"))
+        self.checkpoints.wait_for_writes()  # with async_checkpoint=True the save returns before it is written
         try:
             if self.is_global_zero:
                 write_safetensors_shards(staging, out, prefix=MODEL, strip=strip, max_shard_bytes=max_shard_bytes)

@@ -99,7 +99,7 @@ class _Translator:
     def __init__(self, root_name: str, root: nn.Module, arch: str, out: DeclaredPlan) -> None:
         self.root_name, self.root, self.arch, self.out = root_name, root, arch, out
         self.modules = dict(root.named_modules())
-        self.params = {n for n, _ in root.named_parameters()}
+        self.params = [n for n, _ in root.named_parameters()]
         get_out = getattr(root, "get_output_embeddings", None)
         self.output_embeddings = get_out() if callable(get_out) else None
         #: weights of embeddings with their own forward (kept whole), and of heads tied to them

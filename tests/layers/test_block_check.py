@@ -1,0 +1,81 @@
+"""Setup-time verification of sharded blocks (megastrategy.layers.block_check) on two real
+processes: every declared and built-in plan of the zoo passes, and plans that would be silently
+wrong are refused with the block named -- including one that transformers itself declares."""
+from __future__ import annotations
+
+import pytest
+
+from tests.helpers.dist import run_distributed
+from tests.helpers.hf_zoo import DECLARED_DECODERS, ENCODERS
+
+
+def _shard_and_verify(model, tp_plan, rank):
+    import torch
+    import torch.distributed as dist
+
+    from megastrategy.layers.block_capture import capture_blocks
+    from megastrategy.layers.block_check import verify_sharded_blocks
+    from megastrategy.layers.plan import apply_tp_plan, resolve_tp_plan
+    from megastrategy.layers.random import ModelParallelRNGTracker
+
+    plan = resolve_tp_plan(model, tp_plan, 2)
+    captured = capture_blocks(model, plan)
+    tracker = ModelParallelRNGTracker(tp_rank=rank, device=torch.device("cpu"))
+    tracker.seed(0)
+    apply_tp_plan(model, plan, group=dist.group.WORLD, rng_tracker=tracker)
+    verify_sharded_blocks(model, captured, dist.group.WORLD, 2)
+    return [c.name for c in captured]
+
+
+def _misdeclared(name):
+    """Models whose plan is shape-consistent but wrong (patched declarations)."""
+    from tests.helpers.hf_zoo import tiny_model
+
+    model = tiny_model({"qwen3_no_norm_sum": "qwen3", "phi3_naive": "phi3"}.get(name, name))
+    plan = dict(model._tp_plan)
+    if name == "qwen3_no_norm_sum":  # per-head norms after sharded q/k, gradients left partial
+        plan = {k: v for k, v in plan.items() if not k.endswith("_norm")}
+    elif name == "phi3_naive":  # packed [q|k|v] of unequal sizes split as one plain column
+        plan["model.layers.*.self_attn.qkv_proj"] = "colwise"
+        plan["model.layers.*.self_attn.o_proj"] = "rowwise"
+    model._tp_plan = plan
+    return model
+
+
+def _verify_all(rank, world, archs, misdeclared):
+    from megastrategy.errors import MegatronConfigError
+    from tests.helpers.hf_zoo import tiny_model
+
+    out = {}
+    for name in list(archs) + list(misdeclared):
+        model = _misdeclared(name) if name in misdeclared else tiny_model(name)
+        try:
+            out[name] = ("ok", _shard_and_verify(model, None, rank))
+        except MegatronConfigError as e:
+            out[name] = ("refused", str(e))
+    return out
+
+
+@pytest.mark.slow
+def test_every_plan_verifies_and_wrong_plans_are_refused_tp2():
+    misdeclared = ["qwen3_no_norm_sum", "phi3_naive"]
+    archs = [a for a in DECLARED_DECODERS + ENCODERS]
+    ranks = run_distributed(_verify_all, 2, archs, misdeclared, timeout=400)
+    assert ranks[0].keys() == ranks[1].keys()
+    for rank in ranks:  # every rank agrees and refuses together
+        assert {k: v[0] for k, v in rank.items()} == {k: v[0] for k, v in ranks[0].items()}
+    res = ranks[0]
+    # transformers' own Apertus plan shards the MLP around xIELU, whose learnable alpha_p/alpha_n
+    # would get partial gradients on each rank: caught, never trained silently wrong
+    status, msg = res.pop("apertus")
+    assert status == "refused" and "'model.layers.0.mlp'" in msg and "gradient of act_fn.alpha_" in msg
+    ok = {k for k, (status, _) in res.items() if status == "ok"}
+    assert ok == set(archs) - {"apertus"}, {k: v for k, v in res.items() if k not in ok}
+    assert res["llama"][1] == ["model.layers.0.self_attn", "model.layers.0.mlp"]  # one per distinct block
+    assert res["albert"][1][0] == "albert.encoder.albert_layer_groups.0.albert_layers.0"
+    status, msg = res["qwen3_no_norm_sum"]
+    assert status == "refused" and "'model.layers.0.self_attn'" in msg and "gradient of q_norm.weight" in msg
+    assert "declared:qwen3" in msg and "'model.layers.*.self_attn': 'replicate'" in msg
+    status, msg = res["phi3_naive"]
+    assert status == "refused" and "'model.layers.0.self_attn'" in msg and "Phi3Attention" in msg
+

@@ -31,7 +31,7 @@ _EXTRA = {
     "electra": dict(embedding_size=32),
     "gpt_neox": dict(use_parallel_residual=True, rotary_pct=0.5, hidden_dropout=0.0, attention_dropout=0.0),
     "phi": dict(partial_rotary_factor=0.5, resid_pdrop=0.0, embd_pdrop=0.0),
-    "gemma2": dict(final_logit_softcapping=None, attn_logit_softcapping=None),
+    "seed_oss": dict(residual_dropout=0.0, attention_dropout=0.0),
 }
 
 

@@ -4,13 +4,16 @@
                              [--hf-class transformers.BertForSequenceClassification
                               --hf-config DIR [--prefix model.] --hf-out DIR]
     megastrategy info CKPT
+    megastrategy plan (pkg.module:Class | HF model type) [--tp 2] [--task lm|mlm|cls] [--tp-plan JSON]
 
 ``consolidate`` writes the user's full original ``state_dict`` of the sharded checkpoint
 directory CKPT to OUT.pt (``torch.save``); with ``--lightning`` a single-file Lightning
 checkpoint (weights, epoch, hparams) for ``LightningModule.load_from_checkpoint`` instead.
 With ``--hf-class``/``--hf-config``/``--hf-out`` it also builds the Hugging Face model from
 the config directory, loads the keys under ``--prefix`` and ``save_pretrained``\\ s it.
-Runs in one process, no GPU or process group needed.
+Runs in one process, no GPU or process group needed. ``plan`` prints what tensor parallelism
+would shard, how, where each style comes from, and the parameters per rank
+(:mod:`megastrategy.layers.plan_report`).
 """
 from __future__ import annotations
 
@@ -54,6 +57,13 @@ def _info(args: argparse.Namespace) -> int:
     return 0
 
 
+def _plan(args: argparse.Namespace) -> int:
+    from megastrategy.layers.plan_report import report_for
+
+    print(report_for(args.model, args.tp, args.task, args.tp_plan))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="megastrategy", description="megastrategy checkpoint tools")
     sub = p.add_subparsers(dest="command", required=True)
@@ -69,6 +79,12 @@ def build_parser() -> argparse.ArgumentParser:
     i = sub.add_parser("info", help="print what a sharded checkpoint holds")
     i.add_argument("ckpt")
     i.set_defaults(fn=_info)
+    t = sub.add_parser("plan", help="print the tensor-parallel plan of a model at a given tp")
+    t.add_argument("model", help="pkg.module:Class (built with no arguments) or a Hugging Face model type, e.g. llama")
+    t.add_argument("--tp", type=int, default=2)
+    t.add_argument("--task", choices=["lm", "mlm", "cls"], default="lm", help="for a model type: the Auto class")
+    t.add_argument("--tp-plan", help="the strategy's tp_plan as JSON, e.g. '{\"*\": \"auto\"}'")
+    t.set_defaults(fn=_plan)
     return p
 
 

@@ -21,14 +21,21 @@ _ENCODER = dict(_COMMON, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0
 DECLARED_DECODERS = (
     "llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "phi3", "phi", "olmo", "olmo2", "granite",
     "cohere", "gpt_neox", "starcoder2", "glm", "glm4", "smollm3", "helium", "arcee", "exaone4", "seed_oss",
-    "nemotron", "apertus",
+    "nemotron",
 )
+#: a declared plan the strategy refuses in setup: transformers' Apertus plan shards the MLP around
+#: xIELU, whose learnable alpha_p/alpha_n would get partial gradients
+REFUSED_DECLARED = ("apertus",)
 #: encoders with a built-in plan (masked LM, and one sequence classifier)
-ENCODERS = ("roberta", "xlm-roberta", "camembert", "electra", "distilbert", "albert")
+ENCODERS = ("roberta", "xlm-roberta", "camembert", "electra", "distilbert", "albert", "deberta-v2", "modernbert")
 _EXTRA = {
     "distilbert": dict(dim=32, hidden_dim=64, n_layers=2, n_heads=4, dropout=0.0, attention_dropout=0.0),
     "albert": dict(embedding_size=16, classifier_dropout_prob=0.0),
     "electra": dict(embedding_size=32),
+    "deberta-v2": dict(relative_attention=True, pos_att_type=["p2c", "c2p"], share_att_key=False, position_buckets=8,
+                       max_relative_positions=16, position_biased_input=False),
+    "modernbert": dict(global_attn_every_n_layers=2, local_attention=8, embedding_dropout=0.0, mlp_dropout=0.0,
+                       attention_dropout=0.0),
     "gpt_neox": dict(use_parallel_residual=True, rotary_pct=0.5, hidden_dropout=0.0, attention_dropout=0.0),
     "phi": dict(partial_rotary_factor=0.5, resid_pdrop=0.0, embd_pdrop=0.0),
     "seed_oss": dict(residual_dropout=0.0, attention_dropout=0.0),

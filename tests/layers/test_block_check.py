@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from tests.helpers.dist import run_distributed
-from tests.helpers.hf_zoo import DECLARED_DECODERS, ENCODERS
+from tests.helpers.hf_zoo import DECLARED_DECODERS, ENCODERS, REFUSED_DECLARED
 
 
 def _shard_and_verify(model, tp_plan, rank):
@@ -18,13 +18,17 @@ def _shard_and_verify(model, tp_plan, rank):
     from megastrategy.layers.plan import apply_tp_plan, resolve_tp_plan
     from megastrategy.layers.random import ModelParallelRNGTracker
 
+    from megastrategy.layers.plan_report import parameters_per_rank
+
     plan = resolve_tp_plan(model, tp_plan, 2)
+    predicted, _ = parameters_per_rank(model, plan)
     captured = capture_blocks(model, plan)
     tracker = ModelParallelRNGTracker(tp_rank=rank, device=torch.device("cpu"))
     tracker.seed(0)
     apply_tp_plan(model, plan, group=dist.group.WORLD, rng_tracker=tracker)
+    held = sum(p.numel() for p in model.parameters())  # what `megastrategy plan` predicted
     verify_sharded_blocks(model, captured, dist.group.WORLD, 2)
-    return [c.name for c in captured]
+    return [c.name for c in captured], predicted, held
 
 
 def _misdeclared(name):
@@ -59,7 +63,7 @@ def _verify_all(rank, world, archs, misdeclared):
 @pytest.mark.slow
 def test_every_plan_verifies_and_wrong_plans_are_refused_tp2():
     misdeclared = ["qwen3_no_norm_sum", "phi3_naive"]
-    archs = [a for a in DECLARED_DECODERS + ENCODERS]
+    archs = list(DECLARED_DECODERS + ENCODERS + REFUSED_DECLARED)
     ranks = run_distributed(_verify_all, 2, archs, misdeclared, timeout=400)
     assert ranks[0].keys() == ranks[1].keys()
     for rank in ranks:  # every rank agrees and refuses together
@@ -71,8 +75,10 @@ def test_every_plan_verifies_and_wrong_plans_are_refused_tp2():
     assert status == "refused" and "'model.layers.0.mlp'" in msg and "gradient of act_fn.alpha_" in msg
     ok = {k for k, (status, _) in res.items() if status == "ok"}
     assert ok == set(archs) - {"apertus"}, {k: v for k, v in res.items() if k not in ok}
-    assert res["llama"][1] == ["model.layers.0.self_attn", "model.layers.0.mlp"]  # one per distinct block
-    assert res["albert"][1][0] == "albert.encoder.albert_layer_groups.0.albert_layers.0"
+    assert res["llama"][1][0] == ["model.layers.0.self_attn", "model.layers.0.mlp"]  # one per distinct block
+    assert res["albert"][1][0][0] == "albert.encoder.albert_layer_groups.0.albert_layers.0"
+    for name in ok:  # the parameters per rank `megastrategy plan` prints are what a rank holds
+        assert res[name][1][1] == res[name][1][2], (name, res[name][1][1:])
     status, msg = res["qwen3_no_norm_sum"]
     assert status == "refused" and "'model.layers.0.self_attn'" in msg and "gradient of q_norm.weight" in msg
     assert "declared:qwen3" in msg and "'model.layers.*.self_attn': 'replicate'" in msg

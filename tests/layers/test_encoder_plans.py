@@ -16,7 +16,13 @@ _HEADS = {
                    "distilbert.embeddings.word_embeddings"),
     "albert": ("albert.encoder.albert_layer_groups.0.albert_layers.0.attention", "predictions.decoder",
                "albert.embeddings.word_embeddings"),
+    "deberta-v2": ("deberta.encoder.layer.0.attention.self", "cls.predictions.decoder",
+                   "deberta.embeddings.word_embeddings"),
+    "modernbert": ("model.layers.0.attn", "decoder", "model.embeddings.tok_embeddings"),
 }
+#: column layers of one attention block (DeBERTa: q/k/v and the relative-position projections;
+#: ModernBERT: one packed [q|k|v])
+_COLUMNS = {"deberta-v2": 5, "modernbert": 1}
 
 
 @pytest.mark.parametrize("arch", ENCODERS)
@@ -26,11 +32,17 @@ def test_encoder_plan_and_tied_mlm_head(arch):
     plan = resolve_tp_plan(model, None, 2)
     attn, head, emb = _HEADS[arch]
     styles = {e.name[len(attn) + 1:]: e.style for e in plan.entries if e.name.startswith(attn + ".")}
-    assert sorted(styles.values()).count("column") == 3, styles
+    assert sorted(styles.values()).count("column") == _COLUMNS.get(arch, 3), styles
+    assert plan.architectures == (arch.replace("-", ""),)
+    if arch == "deberta-v2":  # its MLM head multiplies by the embedding weight itself: both stay whole
+        assert plan[head].style == "replicate" and plan[emb].style == "replicate"
+        return
     assert plan[head].style == "vocab" and plan[emb].style == "vocab"
     assert plan[head].extra.get("tied_to") == emb  # the masked-LM head stays tied to the embeddings
-    assert plan.architectures == (arch.replace("-", ""),)
-    assert any(f.module == attn for f in plan.fixups)  # local head counts
+    if arch == "modernbert":  # heads come from view(..., 3, -1, head_dim) of the packed output
+        assert plan[attn + ".Wqkv"].extra["packed_chunks"] == 3 and plan["model.layers.0.mlp.Wi"].extra["packed_chunks"] == 2
+    else:
+        assert any(f.module == attn for f in plan.fixups)  # local head counts
 
 
 def test_albert_shares_one_layer_and_classifier_stays_whole():

@@ -17,6 +17,16 @@ ALBERT (one layer shared by all depths)  ``AlbertAttention``: ``query/key/value`
                                          ``dense`` row; ``AlbertLayer``: ``ffn`` column,
                                          ``ffn_output`` row; ``AlbertEmbeddings``
                                          ``word_embeddings`` vocab.
+DeBERTa-v2/v3                            ``DebertaV2Attention``: ``self.query/key/value_proj``
+                                         (and ``pos_key/pos_query_proj`` when present: the
+                                         relative positions then use the local heads too)
+                                         column, ``output.dense`` row; ``DebertaV2Layer`` as
+                                         BERT's. Embeddings and MLM head stay whole: the new
+                                         head multiplies by the embedding's weight itself.
+ModernBERT                               ``ModernBertAttention``: ``Wqkv`` column over packed
+                                         ``[q|k|v]``, ``Wo`` row; ``ModernBertMLP``: ``Wi``
+                                         column over packed ``[input|gate]``, ``Wo`` row;
+                                         ``tok_embeddings`` vocab, ``decoder`` vocab (tied).
 =======================================  ==================================================
 
 The masked-LM head is the model's ``get_output_embeddings()`` (``cls.predictions.decoder``,
@@ -40,7 +50,7 @@ __all__ = ["BlockSpec", "ENCODER_SPECS", "encoder_units", "ENCODER_FAMILIES"]
 #: class-name prefixes of the BERT-shaped families (their blocks mirror BERT's exactly)
 _BERT_SHAPED = ("Bert", "Roberta", "XLMRoberta", "Camembert", "Electra")
 #: class-name prefixes of every family here (their PreTrainedModels' output embeddings are heads)
-ENCODER_FAMILIES = _BERT_SHAPED + ("DistilBert", "Albert")
+ENCODER_FAMILIES = _BERT_SHAPED + ("DistilBert", "Albert", "ModernBert")
 
 
 @dataclass(frozen=True)
@@ -58,6 +68,8 @@ class BlockSpec:
     heads_attr: str | None = None
     dropout_p: str | None = None
     module_hint: str = ""  # a substring of the class's module, for generic class names
+    optional_columns: tuple[str, ...] = ()  # column layers that exist only in some configs
+    packed_chunks: int = 1  # equal chunks side by side in each column's output ([q|k|v], [in|gate])
 
 
 def _bert_shaped(prefix: str) -> tuple[BlockSpec, ...]:
@@ -80,6 +92,14 @@ ENCODER_SPECS: tuple[BlockSpec, ...] = sum((_bert_shaped(p) for p in _BERT_SHAPE
               ("num_attention_heads", "all_head_size"), "num_attention_heads", "attention_dropout.p"),
     BlockSpec("albert", "AlbertLayer", "mlp", ("ffn",), ("ffn_output",)),
     BlockSpec("albert", "AlbertEmbeddings", "embedding", ("word_embeddings",), ()),
+    BlockSpec("debertav2", "DebertaV2Attention", "attention", ("self.query_proj", "self.key_proj", "self.value_proj"),
+              ("output.dense",), "self", ("num_attention_heads", "all_head_size"), "num_attention_heads", "dropout.p",
+              optional_columns=("self.pos_key_proj", "self.pos_query_proj")),
+    BlockSpec("debertav2", "DebertaV2Layer", "mlp", ("intermediate.dense",), ("output.dense",), "intermediate"),
+    BlockSpec("modernbert", "ModernBertAttention", "attention", ("Wqkv",), ("Wo",), "", (),
+              "config.num_attention_heads", "attention_dropout", packed_chunks=3),
+    BlockSpec("modernbert", "ModernBertMLP", "mlp", ("Wi",), ("Wo",), packed_chunks=2),
+    BlockSpec("modernbert", "ModernBertEmbeddings", "embedding", ("tok_embeddings",), ()),
 )
 _BY_CLASS = {spec.cls: spec for spec in ENCODER_SPECS}
 
@@ -94,8 +114,9 @@ def _spec_unit(spec: BlockSpec, name: str, m: nn.Module) -> BuiltinUnit | None:
     owner = join_name(name, spec.heads_owner)
     owner_mod = child(m, spec.heads_owner) if spec.heads_owner else m
     heads = int_attr(owner_mod, spec.heads_attr) if spec.heads_attr else None
-    dropout = child(owner_mod, spec.dropout_p.rpartition(".")[0]) if spec.dropout_p else None
-    members = [(join_name(name, p), "column", {}) for p in spec.columns]
+    columns = spec.columns + tuple(p for p in spec.optional_columns if is_linear_layer(child(m, p)))
+    extra = {"packed_chunks": spec.packed_chunks} if spec.packed_chunks > 1 else {}
+    members = [(join_name(name, p), "column", dict(extra)) for p in columns]
     members += [(join_name(name, p), "row", {}) for p in spec.rows]
     return BuiltinUnit(
         arch=spec.arch,
@@ -104,8 +125,17 @@ def _spec_unit(spec: BlockSpec, name: str, m: nn.Module) -> BuiltinUnit | None:
         members=members,
         divide_attrs=spec.divide_attrs,
         checks=[SizeCheck(owner, spec.heads_attr, heads, "attention heads")] if heads else [],
-        rng_region=(None, spec.dropout_p) if isinstance(dropout, nn.Dropout) else None,
+        rng_region=(None, spec.dropout_p) if _has_dropout_p(owner_mod, spec.dropout_p) else None,
     )
+
+
+def _has_dropout_p(owner: nn.Module, path: str | None) -> bool:
+    """A dropout probability at ``path``: an ``nn.Dropout``'s ``p`` or a float attribute."""
+    if path is None:
+        return False
+    parent = child(owner, path.rpartition(".")[0]) if "." in path else owner
+    value = child(owner, path)
+    return isinstance(parent, nn.Dropout) or (isinstance(value, float) and "." not in path)
 
 
 def _output_head(name: str, m: nn.Module) -> BuiltinUnit | None:
@@ -113,8 +143,9 @@ def _output_head(name: str, m: nn.Module) -> BuiltinUnit | None:
     family = next((p for p in ENCODER_FAMILIES if type(m).__name__.startswith(p)), None)
     get_out = getattr(m, "get_output_embeddings", None)
     head = get_out() if family and is_hf_pretrained(m) and callable(get_out) else None
-    if not is_linear_layer(head):
-        return None
+    vocab = getattr(getattr(m, "config", None), "vocab_size", None)
+    if not is_linear_layer(head) or getattr(head, "out_features", None) != vocab:
+        return None  # not a vocabulary projection (e.g. a head that reads the embedding's weight)
     head_name = next((n for n, x in m.named_modules() if x is head), None)
     if not head_name:
         return None

@@ -12,7 +12,8 @@ Known blocks (``transformers`` 5.x, ``torch.nn``):
 
 ===================================  ==========================================================
 Hugging Face encoders                BERT, RoBERTa, XLM-R, CamemBERT, ELECTRA, DistilBERT,
-                                     ALBERT: :mod:`megastrategy.layers.encoder_plans`.
+                                     ALBERT, DeBERTa-v2, ModernBERT:
+                                     :mod:`megastrategy.layers.encoder_plans`.
 Hugging Face GPT-2                   ``GPT2Attention``: ``c_attn`` column over a packed
                                      ``[q|k|v]`` (``packed_chunks=3``; cross-attention:
                                      ``q_attn`` column and ``c_attn`` packed ``[k|v]``),
@@ -24,8 +25,8 @@ Hugging Face GPT-2                   ``GPT2Attention``: ``c_attn`` column over a
                                      the replicated output and stays on the default stream).
                                      ``GPT2MLP``: ``c_fc`` column, ``c_proj`` row.
                                      ``GPT2Model.wte`` vocab; ``lm_head`` vocab (tied).
-Hugging Face Llama family            ``{Llama,Mistral,Qwen2,Qwen3}Attention``: ``q/k/v_proj``
-                                     column, ``o_proj`` row (no head-count attribute exists
+Hugging Face Llama family (only     ``{Llama,Mistral,Qwen2,Qwen3}Attention``: ``q/k/v_proj``
+where the model declares no plan)   column, ``o_proj`` row (no head-count attribute exists
                                      in the 5.x code: heads come from ``view(..., -1,
                                      head_dim)``; ``num_heads``/``num_key_value_heads`` are
                                      divided if an older version defines them). ``...MLP``:

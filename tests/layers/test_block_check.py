@@ -31,11 +31,16 @@ def _shard_and_verify(model, tp_plan, rank):
     return [c.name for c in captured], predicted, held
 
 
+#: a user tp_plan with the two FFN layers' styles swapped: it resolves (sizes divide) but is wrong
+SWAPPED_FFN = {"*": "auto", "distilbert.transformer.layer.*.ffn.lin1": "row",
+               "distilbert.transformer.layer.*.ffn.lin2": "column"}
+
+
 def _misdeclared(name):
     """Models whose plan is shape-consistent but wrong (patched declarations)."""
     from tests.helpers.hf_zoo import tiny_model
 
-    model = tiny_model({"qwen3_no_norm_sum": "qwen3", "phi3_naive": "phi3"}.get(name, name))
+    model = tiny_model({"qwen3_no_norm_sum": "qwen3", "phi3_naive": "phi3", "distilbert_swapped": "distilbert"}[name])
     plan = dict(model._tp_plan)
     if name == "qwen3_no_norm_sum":  # per-head norms after sharded q/k, gradients left partial
         plan = {k: v for k, v in plan.items() if not k.endswith("_norm")}
@@ -53,8 +58,9 @@ def _verify_all(rank, world, archs, misdeclared):
     out = {}
     for name in list(archs) + list(misdeclared):
         model = _misdeclared(name) if name in misdeclared else tiny_model(name)
+        tp_plan = SWAPPED_FFN if name == "distilbert_swapped" else None
         try:
-            out[name] = ("ok", _shard_and_verify(model, None, rank))
+            out[name] = ("ok", _shard_and_verify(model, tp_plan, rank))
         except MegatronConfigError as e:
             out[name] = ("refused", str(e))
     return out
@@ -62,7 +68,7 @@ def _verify_all(rank, world, archs, misdeclared):
 
 @pytest.mark.slow
 def test_every_plan_verifies_and_wrong_plans_are_refused_tp2():
-    misdeclared = ["qwen3_no_norm_sum", "phi3_naive"]
+    misdeclared = ["qwen3_no_norm_sum", "phi3_naive", "distilbert_swapped"]
     archs = list(DECLARED_DECODERS + ENCODERS + REFUSED_DECLARED)
     ranks = run_distributed(_verify_all, 2, archs, misdeclared, timeout=400)
     assert ranks[0].keys() == ranks[1].keys()
@@ -73,15 +79,18 @@ def test_every_plan_verifies_and_wrong_plans_are_refused_tp2():
     # would get partial gradients on each rank: caught, never trained silently wrong
     status, msg = res.pop("apertus")
     assert status == "refused" and "'model.layers.0.mlp'" in msg and "gradient of act_fn.alpha_" in msg
-    ok = {k for k, (status, _) in res.items() if status == "ok"}
+    ok = {k for k, (status, _) in res.items() if status == "ok"} - set(misdeclared)
     assert ok == set(archs) - {"apertus"}, {k: v for k, v in res.items() if k not in ok}
     assert res["llama"][1][0] == ["model.layers.0.self_attn", "model.layers.0.mlp"]  # one per distinct block
     assert res["albert"][1][0][0] == "albert.encoder.albert_layer_groups.0.albert_layers.0"
     for name in ok:  # the parameters per rank `megastrategy plan` prints are what a rank holds
         assert res[name][1][1] == res[name][1][2], (name, res[name][1][1:])
-    status, msg = res["qwen3_no_norm_sum"]
+    status, msg = res.pop("qwen3_no_norm_sum")
     assert status == "refused" and "'model.layers.0.self_attn'" in msg and "gradient of q_norm.weight" in msg
     assert "declared:qwen3" in msg and "'model.layers.*.self_attn': 'replicate'" in msg
-    status, msg = res["phi3_naive"]
+    status, msg = res.pop("phi3_naive")
     assert status == "refused" and "'model.layers.0.self_attn'" in msg and "Phi3Attention" in msg
+    status, msg = res.pop("distilbert_swapped")  # the user's glob, not a declaration, is wrong here
+    assert status == "refused" and "'distilbert.transformer.layer.0.ffn'" in msg and "tp_plan[" in msg
+    assert "its forward raised RuntimeError" in msg
 

@@ -23,6 +23,8 @@ DECLARED_DECODERS = (
     "cohere", "gpt_neox", "starcoder2", "glm", "glm4", "smollm3", "helium", "arcee", "exaone4", "seed_oss",
     "nemotron",
 )
+#: decoders that declare no plan, sharded by the built-in Llama-family rules
+BUILTIN_DECODERS = ("stablelm",)
 #: a declared plan the strategy refuses in setup: transformers' Apertus plan shards the MLP around
 #: xIELU, whose learnable alpha_p/alpha_n would get partial gradients
 REFUSED_DECLARED = ("apertus",)
@@ -42,16 +44,16 @@ _EXTRA = {
 }
 
 
-def tiny_config(arch: str):
+def tiny_config(arch: str, **overrides):
     base = _ENCODER if arch in ENCODERS else _DECODER
-    return AutoConfig.for_model(arch, **dict(base, **_EXTRA.get(arch, {})))
+    return AutoConfig.for_model(arch, **dict(base, **_EXTRA.get(arch, {}), **overrides))
 
 
-def tiny_model(arch: str, task: str = "lm", seed: int = 0):
+def tiny_model(arch: str, task: str = "lm", seed: int = 0, **overrides):
     """``task``: ``lm`` (causal LM for decoders, masked LM for encoders) or ``cls`` (3 labels)."""
     transformers.logging.set_verbosity_error()
     torch.manual_seed(seed)
-    config = tiny_config(arch)
+    config = tiny_config(arch, **overrides)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         if task == "cls":

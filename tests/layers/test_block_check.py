@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from tests.helpers.dist import run_distributed
-from tests.helpers.hf_zoo import DECLARED_DECODERS, ENCODERS, REFUSED_DECLARED
+from tests.helpers.hf_zoo import BUILTIN_DECODERS, DECLARED_DECODERS, ENCODERS, REFUSED_DECLARED
 
 
 def _shard_and_verify(model, tp_plan, rank):
@@ -40,6 +40,8 @@ def _misdeclared(name):
     """Models whose plan is shape-consistent but wrong (patched declarations)."""
     from tests.helpers.hf_zoo import tiny_model
 
+    if name == "stablelm_qk_norm":  # one LayerNorm per head, picked by position: local heads get heads 0..1's
+        return tiny_model("stablelm", qk_layernorm=True)
     model = tiny_model({"qwen3_no_norm_sum": "qwen3", "phi3_naive": "phi3", "distilbert_swapped": "distilbert"}[name])
     plan = dict(model._tp_plan)
     if name == "qwen3_no_norm_sum":  # per-head norms after sharded q/k, gradients left partial
@@ -68,8 +70,8 @@ def _verify_all(rank, world, archs, misdeclared):
 
 @pytest.mark.slow
 def test_every_plan_verifies_and_wrong_plans_are_refused_tp2():
-    misdeclared = ["qwen3_no_norm_sum", "phi3_naive", "distilbert_swapped"]
-    archs = list(DECLARED_DECODERS + ENCODERS + REFUSED_DECLARED)
+    misdeclared = ["qwen3_no_norm_sum", "phi3_naive", "distilbert_swapped", "stablelm_qk_norm"]
+    archs = list(DECLARED_DECODERS + BUILTIN_DECODERS + ENCODERS + REFUSED_DECLARED)
     ranks = run_distributed(_verify_all, 2, archs, misdeclared, timeout=400)
     assert ranks[0].keys() == ranks[1].keys()
     for rank in ranks:  # every rank agrees and refuses together
@@ -93,4 +95,6 @@ def test_every_plan_verifies_and_wrong_plans_are_refused_tp2():
     status, msg = res.pop("distilbert_swapped")  # the user's glob, not a declaration, is wrong here
     assert status == "refused" and "'distilbert.transformer.layer.0.ffn'" in msg and "tp_plan[" in msg
     assert "its forward raised RuntimeError" in msg
+    status, msg = res.pop("stablelm_qk_norm")  # the built-in rule is right only without per-head norms
+    assert status == "refused" and "'model.layers.0.self_attn'" in msg and "auto:stablelm" in msg
 

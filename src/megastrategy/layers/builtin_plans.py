@@ -25,7 +25,7 @@ Hugging Face GPT-2                   ``GPT2Attention``: ``c_attn`` column over a
                                      the replicated output and stays on the default stream).
                                      ``GPT2MLP``: ``c_fc`` column, ``c_proj`` row.
                                      ``GPT2Model.wte`` vocab; ``lm_head`` vocab (tied).
-Hugging Face Llama family (only     ``{Llama,Mistral,Qwen2,Qwen3}Attention``: ``q/k/v_proj``
+Hugging Face Llama family (only     ``{Llama,Mistral,Qwen2,Qwen3,StableLm}Attention``: ``q/k/v_proj``
 where the model declares no plan)   column, ``o_proj`` row (no head-count attribute exists
                                      in the 5.x code: heads come from ``view(..., -1,
                                      head_dim)``; ``num_heads``/``num_key_value_heads`` are
@@ -84,12 +84,12 @@ KNOWN_ARCHITECTURES = (
     "Hugging Face models declaring base_model_tp_plan (Llama, Qwen3, Gemma, Phi3, OLMo2, GPT-NeoX, ...)",
     "BERT/RoBERTa/XLM-R/CamemBERT/ELECTRA/DistilBERT/ALBERT",
     "GPT-2 (GPT2*)",
-    "Llama/Mistral/Qwen2/Qwen3",
+    "Llama/Mistral/Qwen2/Qwen3/StableLM",
     "torch.nn.TransformerEncoderLayer/TransformerDecoderLayer",
     "torch.nn.MultiheadAttention",
 )
 
-_LLAMA_FAMILY = ("Llama", "Mistral", "Qwen2", "Qwen3")
+_LLAMA_FAMILY = ("Llama", "Mistral", "Qwen2", "Qwen3", "StableLm")
 
 
 def _gpt2(name: str, m: nn.Module) -> Iterable[BuiltinUnit]:

@@ -98,3 +98,23 @@ def test_every_plan_verifies_and_wrong_plans_are_refused_tp2():
     status, msg = res.pop("stablelm_qk_norm")  # the built-in rule is right only without per-head norms
     assert status == "refused" and "'model.layers.0.self_attn'" in msg and "auto:stablelm" in msg
 
+
+
+def test_a_model_that_cannot_run_on_token_ids_alone_is_reported_unverified(caplog):
+    import logging
+
+    from megastrategy.layers.block_capture import capture_blocks
+    from megastrategy.layers.plan import resolve_tp_plan
+    from tests.helpers.hf_zoo import tiny_model
+
+    model = tiny_model("llama")
+    plan = resolve_tp_plan(model, None, 2)
+
+    def needs_pixels(*args, **kwargs):
+        raise ValueError("pixel_values are required")
+
+    model.forward = needs_pixels
+    with caplog.at_level(logging.WARNING, logger="megastrategy.layers.block_capture"):
+        assert capture_blocks(model, plan) == []
+    assert "model.layers.0.self_attn" in caplog.text and "are not verified" in caplog.text
+    assert "pixel_values are required" in caplog.text

@@ -13,6 +13,7 @@ known input and are not captured.
 from __future__ import annotations
 
 import copy
+import logging
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,11 +24,13 @@ from megastrategy.layers.plan.module_names import globify
 from megastrategy.layers.plan.resolved import PlanEntry, ResolvedPlan
 from megastrategy.layers.unit_types import is_hf_pretrained
 from megastrategy.naming import parent_name
+from megastrategy.rank_zero import log_on_rank_zero
 
 __all__ = ["SEED", "CapturedBlock", "sharded_blocks", "capture_blocks"]
 
 #: entry styles that live inside a block (vocab layers are the project's own exact layers)
 _BLOCK_STYLES = ("column", "row", "grad_sum", "dropout", "attention")
+_log = logging.getLogger(__name__)
 SEED = 20240613
 #: key/value caches: a block must not see (or extend) the capture run's cache
 _CACHE_KWARGS = ("past_key_values", "past_key_value", "layer_past", "cache_params")
@@ -120,8 +123,10 @@ def _run_hf_model(root: nn.Module, targets: dict[str, nn.Module]) -> dict[str, t
                 root(input_ids=ids, use_cache=False)
             except TypeError:  # a model without a cache argument
                 root(input_ids=ids)
-    except Exception:  # noqa: BLE001 - a model needing other inputs: its blocks stay uncaptured
-        pass
+    except Exception as exc:  # noqa: BLE001 - a model needing other inputs: its blocks stay unverified
+        log_on_rank_zero(_log, logging.WARNING, (
+            f"megastrategy: the sharded blocks {', '.join(sorted(targets))} are not verified against their "
+            f"unsharded originals: {type(root).__name__}(input_ids=...) raised {type(exc).__name__}: {exc}"))
     finally:
         for h in handles:
             h.remove()

@@ -7,13 +7,16 @@
     megastrategy export CKPT OUT_DIR [--strip model.] [--hf-config DIR] [--max-shard-mb 2048]
     megastrategy check package.module:MyModule --devices 4 --tp 2 --pp 2 [--steps 5]
                        [--module-args JSON] [--datamodule package.module:MyData --datamodule-args JSON]
+    megastrategy plan (pkg.module:Class | HF model type) [--tp 2] [--task lm|mlm|cls] [--tp-plan JSON]
 
 ``consolidate`` writes the user's full original ``state_dict`` of the sharded checkpoint
 directory CKPT to OUT.pt (``torch.save``); with ``--lightning`` a single-file Lightning
 checkpoint (weights, epoch, hparams) for ``LightningModule.load_from_checkpoint`` instead.
 With ``--hf-class``/``--hf-config``/``--hf-out`` it also builds the Hugging Face model from
 the config directory, loads the keys under ``--prefix`` and ``save_pretrained``\\ s it.
-Runs in one process, no GPU or process group needed.
+Runs in one process, no GPU or process group needed. ``plan`` prints what tensor parallelism
+would shard, how, where each style comes from, and the parameters per rank
+(:mod:`megastrategy.layers.plan_report`).
 
 ``export`` streams the weights into safetensors shards of bounded size, one whole tensor at a time
 (never the whole model in memory); with ``--hf-config`` it adds the config, for ``from_pretrained``.
@@ -117,8 +120,15 @@ def _add_check(sub) -> None:
     k.set_defaults(fn=_check)
 
 
+def _plan(args: argparse.Namespace) -> int:
+    from megastrategy.layers.plan_report import report_for
+
+    print(report_for(args.model, args.tp, args.task, args.tp_plan))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="megastrategy", description="megastrategy tools: checkpoints and parity checks")
+    p = argparse.ArgumentParser(prog="megastrategy", description="megastrategy tools: checkpoints, TP plans and parity checks")
     sub = p.add_subparsers(dest="command", required=True)
     c = sub.add_parser("consolidate", help="write the full original state_dict of a sharded checkpoint")
     c.add_argument("ckpt", help="sharded checkpoint directory (written by MegatronStrategy)")
@@ -140,6 +150,12 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--max-shard-mb", type=float, default=2048, help="largest shard file (a larger tensor gets its own)")
     e.set_defaults(fn=_export)
     _add_check(sub)
+    t = sub.add_parser("plan", help="print the tensor-parallel plan of a model at a given tp")
+    t.add_argument("model", help="pkg.module:Class (built with no arguments) or a Hugging Face model type, e.g. llama")
+    t.add_argument("--tp", type=int, default=2)
+    t.add_argument("--task", choices=["lm", "mlm", "cls"], default="lm", help="for a model type: the Auto class")
+    t.add_argument("--tp-plan", help="the strategy's tp_plan as JSON, e.g. '{\"*\": \"auto\"}'")
+    t.set_defaults(fn=_plan)
     return p
 
 

@@ -11,15 +11,9 @@ sizes that ``tp`` must divide, and where attention dropout runs on TP-sharded he
 Known blocks (``transformers`` 5.x, ``torch.nn``):
 
 ===================================  ==========================================================
-Hugging Face BERT                    ``BertAttention``: ``self.query/key/value`` column,
-                                     ``output.dense`` row; fix-ups ``num_attention_heads``,
-                                     ``all_head_size`` on ``BertSelfAttention`` (and
-                                     ``BertCrossAttention``); its forward runs on the
-                                     per-TP-rank RNG stream (attention dropout is applied
-                                     inside the attention function with ``self.dropout.p``).
-                                     ``BertLayer``: ``intermediate.dense`` column,
-                                     ``output.dense`` row. ``BertEmbeddings.word_embeddings``
-                                     vocab, ``BertLMPredictionHead.decoder`` vocab (tied).
+Hugging Face encoders                BERT, RoBERTa, XLM-R, CamemBERT, ELECTRA, DistilBERT,
+                                     ALBERT, DeBERTa-v2, ModernBERT:
+                                     :mod:`megastrategy.layers.encoder_plans`.
 Hugging Face GPT-2                   ``GPT2Attention``: ``c_attn`` column over a packed
                                      ``[q|k|v]`` (``packed_chunks=3``; cross-attention:
                                      ``q_attn`` column and ``c_attn`` packed ``[k|v]``),
@@ -31,8 +25,8 @@ Hugging Face GPT-2                   ``GPT2Attention``: ``c_attn`` column over a
                                      the replicated output and stays on the default stream).
                                      ``GPT2MLP``: ``c_fc`` column, ``c_proj`` row.
                                      ``GPT2Model.wte`` vocab; ``lm_head`` vocab (tied).
-Hugging Face Llama family            ``{Llama,Mistral,Qwen2,Qwen3}Attention``: ``q/k/v_proj``
-                                     column, ``o_proj`` row (no head-count attribute exists
+Hugging Face Llama family (only     ``{Llama,Mistral,Qwen2,Qwen3,StableLm}Attention``: ``q/k/v_proj``
+where the model declares no plan)   column, ``o_proj`` row (no head-count attribute exists
                                      in the 5.x code: heads come from ``view(..., -1,
                                      head_dim)``; ``num_heads``/``num_key_value_heads`` are
                                      divided if an older version defines them). ``...MLP``:
@@ -50,18 +44,32 @@ Hugging Face Llama family            ``{Llama,Mistral,Qwen2,Qwen3}Attention``: `
 Other ``nn.Linear``/``Conv1D`` layers of a recognized Hugging Face model (poolers,
 classifiers, the MLM transform) are small and stay replicated.
 
-This module is pure: it reads modules and never changes them.
+Sources, most trusted first: a Hugging Face model's own declared plan
+(:mod:`megastrategy.layers.hf_declared`) is used for everything inside that model; the class
+rules here apply elsewhere. This module is pure: it reads modules and never changes them.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import Any, Iterable
 
 from torch import nn
 
+from megastrategy.layers.encoder_plans import encoder_units
+from megastrategy.layers.hf_declared import declared_plan
+from megastrategy.layers.unit_types import (
+    HEAD_ATTRS,
+    BuiltinDetection,
+    BuiltinUnit,
+    SizeCheck,
+    int_attr,
+    is_conv1d,
+    is_hf_pretrained,
+    is_linear_layer,
+)
 from megastrategy.naming import join_name
 
 __all__ = [
+    "HEAD_ATTRS",
     "SizeCheck",
     "BuiltinUnit",
     "BuiltinDetection",
@@ -73,158 +81,24 @@ __all__ = [
 
 #: human-readable list used in error messages
 KNOWN_ARCHITECTURES = (
-    "Hugging Face BERT (Bert*)",
+    "Hugging Face models declaring base_model_tp_plan (Llama, Qwen3, Gemma, Phi3, OLMo2, GPT-NeoX, ...)",
+    "BERT/RoBERTa/XLM-R/CamemBERT/ELECTRA/DistilBERT/ALBERT",
     "GPT-2 (GPT2*)",
-    "Llama/Mistral/Qwen2/Qwen3",
+    "Llama/Mistral/Qwen2/Qwen3/StableLM",
     "torch.nn.TransformerEncoderLayer/TransformerDecoderLayer",
     "torch.nn.MultiheadAttention",
 )
 
-_LLAMA_FAMILY = ("Llama", "Mistral", "Qwen2", "Qwen3")
+_LLAMA_FAMILY = ("Llama", "Mistral", "Qwen2", "Qwen3", "StableLm")
 
 
-@dataclass(frozen=True)
-class SizeCheck:
-    """``value`` (read from ``owner``'s ``attr``) must be divisible by ``tp``."""
-
-    owner: str
-    attr: str
-    value: int
-    what: str
-
-
-@dataclass
-class BuiltinUnit:
-    """Layers of one recognized block that are sharded together, and what goes with them.
-
-    ``members``: ``(module name, style, extra)``; ``style`` is one of ``column``, ``row``,
-    ``vocab``, ``attention`` (``nn.MultiheadAttention`` replaced as a whole) or ``dropout``
-    (an ``nn.Dropout`` acting on sharded activations). ``divide_attrs``: integer attributes
-    of ``owner`` that count local heads/sizes and are divided by ``tp`` (only those that
-    exist are used). ``rng_region``: ``(until, dropout_p_path)`` -- ``owner``'s forward runs
-    on the per-TP-rank RNG stream (from its start until the forward pre-hook of module
-    ``until``, or to its end when ``until`` is ``None``) while training with a dropout
-    probability (read at ``dropout_p_path`` on ``owner``) above zero.
-    """
-
-    arch: str
-    kind: str
-    owner: str
-    members: list[tuple[str, str, dict[str, Any]]]
-    divide_attrs: tuple[str, ...] = ()
-    checks: list[SizeCheck] = field(default_factory=list)
-    rng_region: tuple[str | None, str] | None = None
-
-
-@dataclass
-class BuiltinDetection:
-    units: list[BuiltinUnit]
-    #: names of Hugging Face ``PreTrainedModel`` instances of a known architecture
-    recognized_roots: dict[str, str]
-
-    @property
-    def architectures(self) -> list[str]:
-        seen: list[str] = []
-        for unit in self.units:
-            if unit.arch not in seen:
-                seen.append(unit.arch)
-        return seen
-
-    def member_index(self) -> dict[str, tuple[BuiltinUnit, str, dict[str, Any]]]:
-        index: dict[str, tuple[BuiltinUnit, str, dict[str, Any]]] = {}
-        for unit in self.units:
-            for name, style, extra in unit.members:
-                index.setdefault(name, (unit, style, extra))
-        return index
-
-
-def is_conv1d(module: nn.Module) -> bool:
-    """Hugging Face ``Conv1D`` (GPT-2): a linear layer whose weight is stored ``[in, out]``."""
-    return (
-        type(module).__name__ == "Conv1D"
-        and hasattr(module, "nf")
-        and isinstance(getattr(module, "weight", None), nn.Parameter)
-        and module.weight.dim() == 2
-    )
-
-
-def is_hf_pretrained(module: nn.Module) -> bool:
-    return any(cls.__name__ == "PreTrainedModel" for cls in type(module).__mro__)
-
-
-def _is_linear(m: Any) -> bool:
-    return isinstance(m, nn.Linear) or (isinstance(m, nn.Module) and is_conv1d(m))
-
-
-def _child(m: nn.Module, path: str) -> Any:
-    for part in path.split("."):
-        m = getattr(m, part, None)
-        if m is None:
-            return None
-    return m
-
-
-def _int_attr(m: nn.Module, path: str) -> int | None:
-    value = _child(m, path)
-    if isinstance(value, int) and not isinstance(value, bool):
-        return value
-    return None
-
-
-# -- Hugging Face BERT ------------------------------------------------------------------------
-def _bert(name: str, m: nn.Module) -> Iterable[BuiltinUnit]:
-    cls = type(m).__name__
-    if cls == "BertAttention":
-        sa, so = getattr(m, "self", None), getattr(m, "output", None)
-        if (
-            sa is not None
-            and so is not None
-            and type(sa).__name__ in ("BertSelfAttention", "BertCrossAttention")
-            and all(_is_linear(getattr(sa, p, None)) for p in ("query", "key", "value"))
-            and _is_linear(getattr(so, "dense", None))
-        ):
-            owner = join_name(name, "self")
-            heads = _int_attr(sa, "num_attention_heads")
-            checks = [SizeCheck(owner, "num_attention_heads", heads, "attention heads")] if heads else []
-            yield BuiltinUnit(
-                arch="bert",
-                kind="attention",
-                owner=owner,
-                members=[
-                    (join_name(owner, "query"), "column", {}),
-                    (join_name(owner, "key"), "column", {}),
-                    (join_name(owner, "value"), "column", {}),
-                    (join_name(name, "output.dense"), "row", {}),
-                ],
-                divide_attrs=("num_attention_heads", "all_head_size"),
-                checks=checks,
-                rng_region=(None, "dropout.p") if isinstance(getattr(sa, "dropout", None), nn.Dropout) else None,
-            )
-    elif cls == "BertLayer":
-        inter, out = getattr(m, "intermediate", None), getattr(m, "output", None)
-        if _is_linear(getattr(inter, "dense", None)) and _is_linear(getattr(out, "dense", None)):
-            yield BuiltinUnit(
-                arch="bert",
-                kind="mlp",
-                owner=join_name(name, "intermediate"),
-                members=[(join_name(name, "intermediate.dense"), "column", {}), (join_name(name, "output.dense"), "row", {})],
-            )
-    elif cls == "BertEmbeddings":
-        if isinstance(getattr(m, "word_embeddings", None), nn.Embedding):
-            yield BuiltinUnit("bert", "embedding", name, [(join_name(name, "word_embeddings"), "vocab", {})])
-    elif cls == "BertLMPredictionHead":
-        if _is_linear(getattr(m, "decoder", None)):
-            yield BuiltinUnit("bert", "lm_head", name, [(join_name(name, "decoder"), "vocab", {})])
-
-
-# -- Hugging Face GPT-2 ----------------------------------------------------------------------
 def _gpt2(name: str, m: nn.Module) -> Iterable[BuiltinUnit]:
     cls = type(m).__name__
     if cls == "GPT2Attention":
-        if not (_is_linear(getattr(m, "c_attn", None)) and _is_linear(getattr(m, "c_proj", None))):
+        if not (is_linear_layer(getattr(m, "c_attn", None)) and is_linear_layer(getattr(m, "c_proj", None))):
             return
         if getattr(m, "is_cross_attention", False):
-            if not _is_linear(getattr(m, "q_attn", None)):
+            if not is_linear_layer(getattr(m, "q_attn", None)):
                 return
             members = [
                 (join_name(name, "q_attn"), "column", {}),
@@ -233,7 +107,7 @@ def _gpt2(name: str, m: nn.Module) -> Iterable[BuiltinUnit]:
         else:
             members = [(join_name(name, "c_attn"), "column", {"packed_chunks": 3})]
         members.append((join_name(name, "c_proj"), "row", {}))
-        heads = _int_attr(m, "num_heads")
+        heads = int_attr(m, "num_heads")
         yield BuiltinUnit(
             arch="gpt2",
             kind="attention",
@@ -246,7 +120,7 @@ def _gpt2(name: str, m: nn.Module) -> Iterable[BuiltinUnit]:
             else None,
         )
     elif cls == "GPT2MLP":
-        if _is_linear(getattr(m, "c_fc", None)) and _is_linear(getattr(m, "c_proj", None)):
+        if is_linear_layer(getattr(m, "c_fc", None)) and is_linear_layer(getattr(m, "c_proj", None)):
             yield BuiltinUnit(
                 "gpt2", "mlp", name, [(join_name(name, "c_fc"), "column", {}), (join_name(name, "c_proj"), "row", {})]
             )
@@ -254,7 +128,7 @@ def _gpt2(name: str, m: nn.Module) -> Iterable[BuiltinUnit]:
         if isinstance(getattr(m, "wte", None), nn.Embedding):
             yield BuiltinUnit("gpt2", "embedding", name, [(join_name(name, "wte"), "vocab", {})])
     elif cls in ("GPT2LMHeadModel", "GPT2DoubleHeadsModel"):
-        if _is_linear(getattr(m, "lm_head", None)):
+        if is_linear_layer(getattr(m, "lm_head", None)):
             yield BuiltinUnit("gpt2", "lm_head", name, [(join_name(name, "lm_head"), "vocab", {})])
 
 
@@ -268,7 +142,7 @@ def _llama(name: str, m: nn.Module) -> Iterable[BuiltinUnit]:
     arch = prefix.lower()
     if suffix == "Attention":
         projs = ("q_proj", "k_proj", "v_proj", "o_proj")
-        if not all(_is_linear(getattr(m, p, None)) for p in projs):
+        if not all(is_linear_layer(getattr(m, p, None)) for p in projs):
             return
         config = getattr(m, "config", None)
         checks = []
@@ -291,7 +165,7 @@ def _llama(name: str, m: nn.Module) -> Iterable[BuiltinUnit]:
             rng_region=(None, "attention_dropout") if hasattr(m, "attention_dropout") else None,
         )
     elif suffix == "MLP":
-        if all(_is_linear(getattr(m, p, None)) for p in ("gate_proj", "up_proj", "down_proj")):
+        if all(is_linear_layer(getattr(m, p, None)) for p in ("gate_proj", "up_proj", "down_proj")):
             yield BuiltinUnit(
                 arch,
                 "mlp",
@@ -306,7 +180,7 @@ def _llama(name: str, m: nn.Module) -> Iterable[BuiltinUnit]:
         if isinstance(getattr(m, "embed_tokens", None), nn.Embedding):
             yield BuiltinUnit(arch, "embedding", name, [(join_name(name, "embed_tokens"), "vocab", {})])
     elif suffix == "ForCausalLM":
-        if _is_linear(getattr(m, "lm_head", None)):
+        if is_linear_layer(getattr(m, "lm_head", None)):
             yield BuiltinUnit(arch, "lm_head", name, [(join_name(name, "lm_head"), "vocab", {})])
 
 
@@ -330,22 +204,30 @@ def _torch(name: str, m: nn.Module) -> Iterable[BuiltinUnit]:
         yield BuiltinUnit(arch="torch", kind="mlp", owner=name, members=members)
 
 
-_DETECTORS = (_bert, _gpt2, _llama, _torch)
+_DETECTORS = (encoder_units, _gpt2, _llama, _torch)
+
+
+def _inside(name: str, roots: dict[str, str]) -> bool:
+    return any(r == "" or name == r or name.startswith(r + ".") for r in roots)
 
 
 def detect_builtin_plan(module: nn.Module) -> BuiltinDetection:
-    """Recognize known blocks in ``module`` (names relative to it); pure."""
-    units: list[BuiltinUnit] = []
-    roots: dict[str, str] = {}
+    """Recognize known blocks in ``module`` (names relative to it); pure. Inside a Hugging Face
+    model that declares a tensor-parallel plan, that declaration is used instead of the rules."""
+    declared = declared_plan(module)
+    units: list[BuiltinUnit] = list(declared.units)
+    roots: dict[str, str] = dict(declared.roots)
     for name, m in module.named_modules():
+        if _inside(name, declared.roots):
+            continue
         for detector in _DETECTORS:
             units.extend(detector(name, m))
     # Hugging Face models that contain at least one recognized block
     for name, m in module.named_modules():
-        if not is_hf_pretrained(m):
+        if not is_hf_pretrained(m) or name in roots:
             continue
         prefix = name + "." if name else ""
         archs = [u.arch for u in units if u.arch != "torch" and (u.owner == name or u.owner.startswith(prefix))]
         if archs:
             roots[name] = archs[0]
-    return BuiltinDetection(units=units, recognized_roots=roots)
+    return BuiltinDetection(units=units, recognized_roots=roots, refused=list(declared.refused))

@@ -7,6 +7,8 @@ from torch import nn
 
 from megastrategy.component import Component, SetupContext
 from megastrategy.config import MegatronConfig
+from megastrategy.layers.block_capture import capture_blocks
+from megastrategy.layers.block_check import verify_sharded_blocks
 from megastrategy.layers.plan import ResolvedPlan, apply_tp_plan, resolve_tp_plan
 
 
@@ -14,7 +16,9 @@ class TensorParallel(Component):
     """Shards the layers the plan names over the TP ranks (``tp_plan`` or auto-detection).
 
     The plan is resolved from names and shapes only, so every plan error comes before the
-    first collective. At ``tp=1`` it is still resolved: the Transformer Engine backend swaps
+    first collective. After sharding, each distinct sharded block of a Hugging Face model is
+    run against its unsharded copy on a random input (``block_check``): a plan that would be
+    silently wrong refuses to train, naming the block. At ``tp=1`` it is still resolved: the Transformer Engine backend swaps
     exactly the layers the plan marks.
     """
 
@@ -29,5 +33,10 @@ class TensorParallel(Component):
     def apply(self, module: nn.Module, ctx: SetupContext) -> None:
         self.validate(module, None)
         ctx.plan = self.plan
-        if self.tp > 1 or ctx.backend_in_use == "te":  # at tp=1 the plan marks what TE takes over
-            apply_tp_plan(module, self.plan, group=ctx.parallel_state.tp_group, rng_tracker=ctx.rng_tracker)
+        group = ctx.parallel_state.tp_group
+        if self.tp > 1:
+            captured = capture_blocks(module, self.plan)
+            apply_tp_plan(module, self.plan, group=group, rng_tracker=ctx.rng_tracker)
+            verify_sharded_blocks(module, captured, group, self.tp)
+        elif ctx.backend_in_use == "te":  # at tp=1 the plan marks what TE takes over
+            apply_tp_plan(module, self.plan, group=group, rng_tracker=ctx.rng_tracker)

@@ -160,6 +160,7 @@ class _ShardedLayerBuilder:
             "vocab": self._vocab,
             "attention": self._attention,
             "dropout": self._dropout,
+            "grad_sum": self._grad_sum,
         }.get(e.style)
         if build is None:
             raise AssertionError(e.style)
@@ -181,7 +182,12 @@ class _ShardedLayerBuilder:
         from megastrategy.layers.linear import ColumnParallelLinear
 
         chunks = int(e.extra.get("packed_chunks", 1))
-        kw = dict(group=self.group, packed_chunks=chunks, input_copy=self._input_copy(e))
+        kw = dict(
+            group=self.group,
+            packed_chunks=chunks,
+            input_copy=self._input_copy(e),
+            gather_output=bool(e.extra.get("gather_output", False)),
+        )
         if is_conv1d(m):
             # a transposed view (not detached): from_weight copies it and keeps requires_grad
             return ColumnParallelLinear.from_weight(m.weight.t(), m.bias, **kw)
@@ -190,9 +196,10 @@ class _ShardedLayerBuilder:
     def _row(self, e: PlanEntry, m: nn.Module) -> nn.Module:
         from megastrategy.layers.linear import RowParallelLinear
 
+        parallel_input = not e.extra.get("split_input", False)
         if is_conv1d(m):
-            return RowParallelLinear.from_weight(m.weight.t(), m.bias, group=self.group)
-        return RowParallelLinear.from_linear(m, group=self.group)
+            return RowParallelLinear.from_weight(m.weight.t(), m.bias, group=self.group, input_is_parallel=parallel_input)
+        return RowParallelLinear.from_linear(m, group=self.group, input_is_parallel=parallel_input)
 
     def _vocab(self, e: PlanEntry, m: nn.Module) -> nn.Module:
         from megastrategy.layers.embedding import VocabParallelEmbedding
@@ -214,6 +221,13 @@ class _ShardedLayerBuilder:
         from megastrategy.layers.random import TensorParallelRegionDropout
 
         return TensorParallelRegionDropout.from_dropout(m, self.rng_tracker)
+
+
+    def _grad_sum(self, e: PlanEntry, m: nn.Module) -> nn.Module:
+        from megastrategy.layers.grad_sum import sum_grads_over_tp
+
+        sum_grads_over_tp(m, self.group)
+        return m
 
 
 def _hook_rng_regions(

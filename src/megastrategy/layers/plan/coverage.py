@@ -6,6 +6,7 @@ from torch import nn
 
 from megastrategy.errors import MegatronConfigError
 from megastrategy.layers.builtin_plans import KNOWN_ARCHITECTURES, BuiltinDetection
+from megastrategy.layers.hf_declared import TRANSLATED_STYLES
 from megastrategy.layers.plan.context import PlanContext
 from megastrategy.layers.plan.drafts import DraftEntry, Drafts
 from megastrategy.layers.plan.layer_kinds import is_linear, is_weight_layer, type_name
@@ -21,6 +22,7 @@ def check_coverage(ctx: PlanContext, effective: dict[str, Effective], drafts: Dr
     """At ``tp > 1``: no unclassifiable layer in a repeated block (auto-detection), and
     something to shard."""
     if ctx.auto_mode and ctx.tp_size > 1:
+        _check_refused(ctx, effective)
         _check_unclassified(ctx, effective, drafts)
     if ctx.tp_size > 1 and not any(d.style != "replicate" for d in drafts.values()):
         _raise_nothing_to_shard(ctx)
@@ -96,6 +98,21 @@ def _check_unclassified(ctx: PlanContext, effective: dict[str, Effective], draft
         f"first FFN layer), 'row' for the layer consuming a split input (attention output projection, "
         f"second FFN layer), 'replicate' to keep a layer whole."
     )
+
+
+def _check_refused(ctx: PlanContext, effective: dict[str, Effective]) -> None:
+    """A declared style with no exact translation, on a module left to auto-detection."""
+    for r in ctx.detection.refused:
+        module = r.module if r.module in ctx.modules else parent_name(r.module)
+        if not _auto_style(effective, module):
+            continue
+        glob = globify(module)
+        raise MegatronConfigError(
+            f"tp={ctx.tp_size} with auto-detection: Hugging Face declares tensor-parallel style {r.style!r} for "
+            f"{r.module!r}, and {r.reason}; this strategy translates only styles it reproduces exactly "
+            f"({', '.join(TRANSLATED_STYLES)}). Decide for this module in tp_plan, e.g. "
+            f"tp_plan={{'*': 'auto', {glob!r}: 'replicate'}} to keep it whole on every rank, or use tp=1."
+        )
 
 
 def _raise_nothing_to_shard(ctx: PlanContext) -> None:

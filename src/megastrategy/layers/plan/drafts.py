@@ -30,6 +30,10 @@ class DraftEntry:
     #: the recognized block this layer belongs to, if sharded the built-in way
     unit: BuiltinUnit | None = None
     packed_chunks: int | None = None
+    #: a column layer whose output is all-gathered (Hugging Face ``colwise_gather_output``)
+    gather_output: bool | None = None
+    #: a row layer that slices its replicated input itself (``rowwise_split_input``)
+    split_input: bool | None = None
     weight_layout: str | None = None
     vocab_layer: str | None = None
     input_copy: str | None = None
@@ -38,8 +42,15 @@ class DraftEntry:
 
     @classmethod
     def builtin(cls, style: str, source: str, unit: BuiltinUnit, extra: dict[str, Any]) -> "DraftEntry":
-        """An entry of a recognized block (built-in members carry at most ``packed_chunks``)."""
-        return cls(style, source, unit, packed_chunks=extra.get("packed_chunks"))
+        """An entry of a recognized block (``packed_chunks``, ``gather_output``, ``split_input``)."""
+        return cls(
+            style,
+            source,
+            unit,
+            packed_chunks=extra.get("packed_chunks"),
+            gather_output=extra.get("gather_output"),
+            split_input=extra.get("split_input"),
+        )
 
     @property
     def chunks(self) -> int:
@@ -51,6 +62,8 @@ class DraftEntry:
         unit = f"{self.unit.arch}.{self.unit.kind}" if self.unit is not None else None
         pairs = (
             ("packed_chunks", self.packed_chunks),
+            ("gather_output", self.gather_output),
+            ("split_input", self.split_input),
             ("weight_layout", self.weight_layout),
             ("vocab_layer", self.vocab_layer),
             ("unit", unit),
@@ -82,7 +95,7 @@ def draft_entries(ctx: PlanContext, effective: dict[str, Effective]) -> Drafts:
         elif style == AUTO:
             if hit is not None:
                 unit, bstyle, bextra = hit
-                drafts[n] = DraftEntry.builtin(bstyle, f"auto:{unit.arch}", unit, bextra)
+                drafts[n] = DraftEntry.builtin(bstyle, unit.source, unit, bextra)
         else:
             drafts[n] = _explicit_entry(n, m, style, rule.glob, rule.source, hit)
     return drafts

@@ -9,7 +9,7 @@ from torch import nn
 
 from megastrategy.divisors import divisors
 from megastrategy.errors import MegatronConfigError
-from megastrategy.layers.builtin_plans import BuiltinUnit, SizeCheck
+from megastrategy.layers.unit_types import HEAD_ATTRS, BuiltinUnit, SizeCheck
 from megastrategy.layers.plan.context import PlanContext
 from megastrategy.layers.plan.drafts import DraftEntry, Drafts
 from megastrategy.layers.plan.layer_kinds import features, is_linear
@@ -17,18 +17,6 @@ from megastrategy.layers.plan.resolved import FixUp
 from megastrategy.naming import parent_name
 
 __all__ = ["HEAD_ATTRS", "SizePass"]
-
-#: integer attributes divided by tp on the parent of a column-sharded layer (user plans)
-HEAD_ATTRS = (
-    "num_heads",
-    "n_head",
-    "n_heads",
-    "num_attention_heads",
-    "num_key_value_heads",
-    "n_kv_heads",
-    "num_kv_heads",
-    "all_head_size",
-)
 
 
 def _is_int(value: object) -> bool:

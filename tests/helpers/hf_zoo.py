@@ -1,0 +1,63 @@
+"""Tiny Hugging Face models of many architectures, built from configs (no weights downloaded).
+
+Every model has hidden 32, 2 layers, 4 attention heads (2 key/value heads where the
+architecture has GQA), vocab 128: small enough to train a few steps of each on two CPU processes.
+"""
+from __future__ import annotations
+
+import warnings
+
+import torch
+import transformers
+from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForMaskedLM, AutoModelForSequenceClassification
+
+VOCAB = 128
+_COMMON = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+               pad_token_id=0, bos_token_id=1, eos_token_id=2, max_position_embeddings=64, tie_word_embeddings=False)
+_DECODER = dict(_COMMON, num_key_value_heads=2, head_dim=8)
+_ENCODER = dict(_COMMON, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, tie_word_embeddings=True)
+
+#: decoders whose config declares ``base_model_tp_plan`` (causal LM, loss from ``labels=``)
+DECLARED_DECODERS = (
+    "llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "phi3", "phi", "olmo", "olmo2", "granite",
+    "cohere", "gpt_neox", "starcoder2", "glm", "glm4", "smollm3", "helium", "arcee", "exaone4", "seed_oss",
+    "nemotron",
+)
+#: decoders that declare no plan, sharded by the built-in Llama-family rules
+BUILTIN_DECODERS = ("stablelm",)
+#: a declared plan the strategy refuses in setup: transformers' Apertus plan shards the MLP around
+#: xIELU, whose learnable alpha_p/alpha_n would get partial gradients
+REFUSED_DECLARED = ("apertus",)
+#: encoders with a built-in plan (masked LM, and one sequence classifier)
+ENCODERS = ("roberta", "xlm-roberta", "camembert", "electra", "distilbert", "albert", "deberta-v2", "modernbert")
+_EXTRA = {
+    "distilbert": dict(dim=32, hidden_dim=64, n_layers=2, n_heads=4, dropout=0.0, attention_dropout=0.0),
+    "albert": dict(embedding_size=16, classifier_dropout_prob=0.0),
+    "electra": dict(embedding_size=32),
+    "deberta-v2": dict(relative_attention=True, pos_att_type=["p2c", "c2p"], share_att_key=False, position_buckets=8,
+                       max_relative_positions=16, position_biased_input=False),
+    "modernbert": dict(global_attn_every_n_layers=2, local_attention=8, embedding_dropout=0.0, mlp_dropout=0.0,
+                       attention_dropout=0.0),
+    "gpt_neox": dict(use_parallel_residual=True, rotary_pct=0.5, hidden_dropout=0.0, attention_dropout=0.0),
+    "phi": dict(partial_rotary_factor=0.5, resid_pdrop=0.0, embd_pdrop=0.0),
+    "seed_oss": dict(residual_dropout=0.0, attention_dropout=0.0),
+}
+
+
+def tiny_config(arch: str, **overrides):
+    base = _ENCODER if arch in ENCODERS else _DECODER
+    return AutoConfig.for_model(arch, **dict(base, **_EXTRA.get(arch, {}), **overrides))
+
+
+def tiny_model(arch: str, task: str = "lm", seed: int = 0, **overrides):
+    """``task``: ``lm`` (causal LM for decoders, masked LM for encoders) or ``cls`` (3 labels)."""
+    transformers.logging.set_verbosity_error()
+    torch.manual_seed(seed)
+    config = tiny_config(arch, **overrides)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        if task == "cls":
+            config.num_labels = 3
+            return AutoModelForSequenceClassification.from_config(config)
+        auto = AutoModelForMaskedLM if arch in ENCODERS else AutoModelForCausalLM
+        return auto.from_config(config)

@@ -1,0 +1,79 @@
+"""Hugging Face's declared tp_plan translated into plan entries (pure: no processes)."""
+from __future__ import annotations
+
+import pytest
+
+from megastrategy.errors import MegatronConfigError
+from megastrategy.layers.hf_declared import declared_plan
+from megastrategy.layers.plan import resolve_tp_plan
+from tests.helpers.hf_zoo import DECLARED_DECODERS, tiny_model
+
+
+@pytest.mark.parametrize("arch", DECLARED_DECODERS)
+def test_every_declared_decoder_resolves_at_tp2(arch):
+    plan = resolve_tp_plan(tiny_model(arch), None, 2)
+    assert plan.architectures and all(e.source.startswith("declared:") for e in plan.sharded)
+    assert {"column", "row"} <= {e.style for e in plan.sharded}
+
+
+def test_llama_translation_and_precedence_over_builtin():
+    plan = resolve_tp_plan(tiny_model("llama"), None, 2)
+    pre = "model.layers.0."
+    assert plan[pre + "self_attn.q_proj"].style == "column" and plan[pre + "self_attn.o_proj"].style == "row"
+    assert plan[pre + "self_attn.q_proj"].source == "declared:llama"  # declared beats the class rules
+    # q/k/v read the same tensor: one shared input copy, one backward all-reduce
+    assert {plan[pre + f"self_attn.{p}_proj"].extra["input_copy"] for p in "qkv"} == {pre + "self_attn"}
+    assert plan["model.embed_tokens"].style == "vocab" and plan["lm_head"].style == "vocab"  # lm_head: vocab-parallel
+    assert plan.rng_regions[0].module == pre + "self_attn"
+
+
+def test_gather_split_packed_and_grad_sum_styles():
+    phi3 = resolve_tp_plan(tiny_model("phi3"), None, 2)  # colwise_gather_output / rowwise_split_input
+    assert phi3["model.layers.0.self_attn.qkv_proj"].extra["gather_output"] is True
+    assert phi3["model.layers.0.self_attn.o_proj"].extra["split_input"] is True
+    assert phi3.fixups == ()  # gathered outputs: the forward sees all heads, nothing divided
+    qwen3 = resolve_tp_plan(tiny_model("qwen3"), None, 2)  # replicated_with_grad_allreduce
+    assert qwen3["model.layers.0.self_attn.q_norm"].style == "grad_sum"
+    neox = resolve_tp_plan(tiny_model("gpt_neox"), None, 2)  # embedding_rowwise
+    assert neox["gpt_neox.embed_in"].style == "vocab" and neox["lm_head"].style == "vocab"
+
+
+def test_scaled_embedding_and_its_tied_head_stay_whole():
+    model = tiny_model("gemma")  # GemmaTextScaledWordEmbedding multiplies in its own forward
+    model.lm_head.weight = model.model.embed_tokens.weight
+    plan = resolve_tp_plan(model, None, 2)
+    assert plan["model.embed_tokens"].style == "replicate" and plan["lm_head"].style == "replicate"
+
+
+def test_user_glob_beats_the_declaration():
+    plan = resolve_tp_plan(tiny_model("llama"), {"*": "auto", "model.layers.1": "replicate"}, 2)
+    assert plan["model.layers.1.mlp.up_proj"].style == "replicate"
+    assert plan["model.layers.0.mlp.up_proj"].style == "column"
+
+
+def test_heads_must_divide_tp_including_gqa():
+    model = tiny_model("llama")
+    with pytest.raises(MegatronConfigError, match=r"tp=4 does not divide config\.num_key_value_heads=2 of "
+                                                  r"model\.layers\.0\.self_attn.*use tp in \{1, 2\}"):
+        resolve_tp_plan(model, None, 4)
+
+
+def test_untranslatable_style_is_refused_by_name():
+    model = tiny_model("llama")
+    model._tp_plan = dict(model._tp_plan, **{"model.layers.*.mlp": "moe_tp_experts"})
+    refused = declared_plan(model).refused
+    assert refused and refused[0].module == "model.layers.0.mlp" and refused[0].style == "moe_tp_experts"
+    with pytest.raises(MegatronConfigError, match=r"declares tensor-parallel style 'moe_tp_experts' for "
+                                                  r"'model\.layers\.0\.mlp'.*tp_plan=\{'\*': 'auto', "
+                                                  r"'model\.layers\.\*\.mlp': 'replicate'\}"):
+        resolve_tp_plan(model, None, 2)
+    resolve_tp_plan(model, None, 1)  # nothing is sharded at tp=1: no refusal
+    plan = resolve_tp_plan(model, {"*": "auto", "model.layers.*.mlp": "replicate"}, 2)  # the user decides
+    assert plan["model.layers.0.mlp.up_proj"].style == "replicate"
+
+
+def test_declared_parameter_keys_are_refused():
+    model = tiny_model("llama")
+    model._tp_plan = dict(model._tp_plan, **{"model.layers.*.mlp.up_proj.weight": "colwise"})
+    with pytest.raises(MegatronConfigError, match=r"'model\.layers\.0\.mlp\.up_proj\.weight'.*names a parameter"):
+        resolve_tp_plan(model, None, 2)

@@ -1,0 +1,149 @@
+"""Train many tiny Hugging Face models a few steps each in ONE launch; rank 0 writes, per model,
+the per-step training losses, the validation loss and the plan's sources to ``--out``.
+
+Each model sits in an ordinary LightningModule whose ``forward`` passes ``labels=`` so the loss
+is computed inside the Hugging Face model. Launched by tests/helpers/launch.py:
+``--strategy ddp`` on one process (the one-device reference) or ``--strategy megatron --tp 2``.
+A model the strategy refuses (a clear ``MegatronConfigError`` on every rank in setup) is
+recorded with its message and the launch goes on with the next model.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import lightning as L  # noqa: E402
+import torch  # noqa: E402
+from lightning.pytorch.callbacks import Callback  # noqa: E402
+from lightning.pytorch.strategies import DDPStrategy  # noqa: E402
+from torch.utils.data import DataLoader  # noqa: E402
+
+from tests.helpers.hf_zoo import VOCAB, tiny_model  # noqa: E402
+
+SEQ, BATCH, STEPS = 12, 4, 3
+
+
+class TokenBatches(torch.utils.data.Dataset):
+    """Random tokens; causal-LM labels = the tokens, masked-LM labels = 15% of them, classifier: 3 classes."""
+
+    def __init__(self, n: int, task: str, seed: int):
+        g = torch.Generator().manual_seed(seed)
+        self.ids = torch.randint(3, VOCAB, (n, SEQ), generator=g)
+        self.masked = torch.rand(n, SEQ, generator=g) < 0.15
+        self.masked[:, 0] = True
+        self.cls = torch.randint(0, 3, (n,), generator=g)
+        self.task = task
+
+    def __len__(self):
+        return len(self.ids)
+
+    def __getitem__(self, i):
+        ids = self.ids[i]
+        if self.task == "cls":
+            return {"input_ids": ids, "labels": self.cls[i]}
+        if self.task == "mlm":
+            return {"input_ids": ids.masked_fill(self.masked[i], 4), "labels": ids.masked_fill(~self.masked[i], -100)}
+        return {"input_ids": ids, "labels": ids}
+
+
+class HFModule(L.LightningModule):
+    """What a user writes: the HF model built from a config, the loss from ``labels=``."""
+
+    def __init__(self, arch: str, task: str):
+        super().__init__()
+        self.task = task
+        self.model = tiny_model(arch, task="cls" if task == "cls" else "lm")
+
+    def forward(self, batch):
+        return self.model(input_ids=batch["input_ids"], labels=batch["labels"])
+
+    def training_step(self, batch, batch_idx):
+        loss = self(batch).loss
+        self.log("train_loss", loss)
+        return loss
+
+    def validation_step(self, batch, batch_idx):
+        self.log("val_loss", self(batch).loss)
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=3e-3)
+
+    def train_dataloader(self):
+        return DataLoader(TokenBatches(STEPS * BATCH, self.task, 1), batch_size=BATCH)
+
+    def val_dataloader(self):
+        return DataLoader(TokenBatches(2 * BATCH, self.task, 2), batch_size=BATCH)
+
+
+class Recorder(Callback):
+    def __init__(self):
+        self.losses, self.val_loss, self.sources = [], None, []
+
+    def on_train_start(self, trainer, pl_module):
+        component = getattr(trainer.strategy, "component", None)
+        if component is not None:
+            from megastrategy.layers.components import TensorParallel
+
+            plan = component(TensorParallel).plan
+            self.sources = sorted({e.source for e in plan.sharded})
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.losses.append(float(outputs["loss"]))
+
+    def on_validation_epoch_end(self, trainer, pl_module):
+        if not trainer.sanity_checking:
+            self.val_loss = float(trainer.callback_metrics["val_loss"])
+
+
+def train_one(arch: str, task: str, strategy_name: str, tp: int, world_size: int) -> dict:
+    from megastrategy.errors import MegatronConfigError
+
+    L.seed_everything(0, verbose=False)
+    module = HFModule(arch, task)
+    if strategy_name == "ddp":
+        strategy = DDPStrategy()
+    else:
+        from megastrategy import MegatronStrategy
+
+        strategy = MegatronStrategy(tp=tp)
+    rec = Recorder()
+    trainer = L.Trainer(
+        accelerator="cpu", devices=world_size, strategy=strategy, max_epochs=1,
+        limit_val_batches=2, num_sanity_val_steps=0, callbacks=[rec], enable_checkpointing=False,
+        logger=False, enable_progress_bar=False, enable_model_summary=False,
+    )
+    try:
+        trainer.fit(module)
+    except MegatronConfigError as e:
+        return {"error": str(e)}
+    return {"loss": rec.losses, "val_loss": rec.val_loss, "sources": rec.sources}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", required=True)
+    p.add_argument("--strategy", choices=["ddp", "megatron"], required=True)
+    p.add_argument("--tp", type=int, default=1)
+    p.add_argument("--models", required=True, help="comma-separated arch:task, task in lm/mlm/cls")
+    args = p.parse_args()
+    torch.set_num_threads(1)
+    world_size, rank = int(os.environ["WORLD_SIZE"]), int(os.environ.get("RANK", "0"))
+    env = {k: os.environ[k] for k in ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK", "NODE_RANK")
+           if k in os.environ}
+    results = {}
+    for item in args.models.split(","):
+        arch, task = item.split(":")
+        os.environ.update(env)  # Lightning's teardown removes the launcher's variables
+        results[item] = train_one(arch, task, args.strategy, args.tp, world_size)
+    if rank == 0:
+        Path(args.out).write_text(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    main()

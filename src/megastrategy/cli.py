@@ -7,7 +7,7 @@
     megastrategy export CKPT OUT_DIR [--strip model.] [--hf-config DIR] [--max-shard-mb 2048]
     megastrategy check package.module:MyModule --devices 4 --tp 2 --pp 2 [--steps 5]
                        [--module-args JSON] [--datamodule package.module:MyData --datamodule-args JSON]
-    megastrategy plan (pkg.module:Class | HF model type) [--tp 2] [--task lm|mlm|cls] [--tp-plan JSON]
+    megastrategy plan (pkg.module:Class | HF model type) [--tp 2] [--ep 1] [--task lm|mlm|cls] [--tp-plan JSON]
 
 ``consolidate`` writes the user's full original ``state_dict`` of the sharded checkpoint
 directory CKPT to OUT.pt (``torch.save``); with ``--lightning`` a single-file Lightning
@@ -123,7 +123,7 @@ def _add_check(sub) -> None:
 def _plan(args: argparse.Namespace) -> int:
     from megastrategy.layers.plan_report import report_for
 
-    print(report_for(args.model, args.tp, args.task, args.tp_plan))
+    print(report_for(args.model, args.tp, args.task, args.tp_plan, ep=args.ep))
     return 0
 
 
@@ -153,6 +153,7 @@ def build_parser() -> argparse.ArgumentParser:
     t = sub.add_parser("plan", help="print the tensor-parallel plan of a model at a given tp")
     t.add_argument("model", help="pkg.module:Class (built with no arguments) or a Hugging Face model type, e.g. llama")
     t.add_argument("--tp", type=int, default=2)
+    t.add_argument("--ep", type=int, default=1, help="expert parallelism: Hugging Face fused experts split over ep")
     t.add_argument("--task", choices=["lm", "mlm", "cls"], default="lm", help="for a model type: the Auto class")
     t.add_argument("--tp-plan", help="the strategy's tp_plan as JSON, e.g. '{\"*\": \"auto\"}'")
     t.set_defaults(fn=_plan)

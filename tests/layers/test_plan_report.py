@@ -24,3 +24,14 @@ def test_plan_of_an_import_path(capsys):
     main(["plan", "tests.helpers.models:EncoderClassifier", "--tp", "2"])
     out = capsys.readouterr().out
     assert "encoder.layers.*.self_attn  attention  built-in (torch)" in out
+
+
+def test_plan_of_a_moe_decoder_leaves_fused_experts_to_expert_parallelism(capsys):
+    # Mixtral declares packed_colwise on its fused expert tensors, which TP cannot shard exactly:
+    # they stay whole on every TP rank and ep splits them; the parameter count says so.
+    assert main(["plan", "mixtral", "--tp", "2", "--ep", "4"]) == 0
+    out = capsys.readouterr().out
+    assert "model.layers.*.self_attn.q_proj  column  declared by transformers (mixtral)  32" in out
+    assert "experts (whole on every TP rank; split over ep=4 by expert parallelism): model.layers.*.mlp.experts" in out
+    assert "mlp.experts  " not in out.split("experts (whole")[0]  # not in the sharded table
+    assert "parameters per rank: 12,077,764,608 of 46,702,792,704 (25.9%)" in out

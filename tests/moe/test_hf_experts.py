@@ -64,18 +64,26 @@ def test_the_parallel_slice_computes_hugging_face_experts_on_one_rank():
 
 
 @lru_cache(maxsize=None)
-def _run(strategy: str, *extra: str) -> dict:
-    return run_script(SCRIPT, 2, ["--strategy", strategy, *extra], timeout=600)
+def _run(strategy: str, nprocs: int, *extra: str) -> dict:
+    return run_script(SCRIPT, nprocs, ["--strategy", strategy, *extra], timeout=600)
+
+
+LAYOUTS = {"ep2": (2, ("--ep", "2")), "tp2-ep2": (4, ("--tp", "2", "--ep", "2"))}  # dense dp = 2 in both
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
 @pytest.mark.parametrize("arch", ["mixtral", "qwen3_moe", "olmoe"])
-def test_hugging_face_moe_trains_at_ep2_as_under_ddp_and_its_checkpoint_consolidates(arch):
+def test_hugging_face_moe_trains_as_under_ddp_and_its_checkpoint_consolidates(arch, layout):
     from megastrategy.checkpoint.consolidate import consolidate
 
-    ours, ref = _run("megatron", "--ep", "2")[arch], _run("ddp")[arch]
+    nprocs, extra = LAYOUTS[layout]
+    ours, ref = _run("megatron", nprocs, *extra)[arch], _run("ddp", 2)[arch]
     assert ours["local_experts"][0][0] == 2 and ref["local_experts"][0][0] == 4, "the experts were not split"
+    tp = 2 if "--tp" in extra else 1
+    assert ours["q_proj"][0][0] * tp == ref["q_proj"][0][0], "the attention was not split over tp"
     assert len(ours["losses"]) == len(ref["losses"]) == 4
+    assert ref["losses"][0] != ref["losses"][-1], "the reference did not train"
     diff = max(abs(a - b) for a, b in zip(ours["losses"], ref["losses"]))
     assert diff < 2e-4, f"{arch}: losses differ by {diff:.2e}: {ours['losses']} vs {ref['losses']}"
     full = consolidate(ours["checkpoint"])

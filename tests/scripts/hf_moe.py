@@ -80,6 +80,7 @@ def main() -> None:
     p.add_argument("--out", required=True)
     p.add_argument("--strategy", choices=["ddp", "megatron"], required=True)
     p.add_argument("--ep", type=int, default=1)
+    p.add_argument("--tp", type=int, default=1)
     args = p.parse_args()
     out = Path(args.out)
     devices, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])  # Lightning's teardown removes them
@@ -90,11 +91,12 @@ def main() -> None:
         else:
             from megastrategy import MegatronStrategy
 
-            strategy = MegatronStrategy(ep=args.ep, etp=1)
-        ckpt = out.parent / f"{arch}-{args.strategy}.ckpt"
+            strategy = MegatronStrategy(tp=args.tp, ep=args.ep, etp=1)
+        ckpt = out.parent / f"{arch}-{args.strategy}-tp{args.tp}.ckpt"
         losses, module, trainer = train(arch, strategy, ckpt, devices)
         results[arch] = {"losses": losses, "checkpoint": str(ckpt),
-                         "local_experts": [tuple(p.shape) for n, p in module.named_parameters() if "gate_up_proj" in n][:1]}
+                         "local_experts": [tuple(p.shape) for n, p in module.named_parameters() if "gate_up_proj" in n][:1],
+                         "q_proj": [tuple(p.shape) for n, p in module.named_parameters() if "q_proj.weight" in n][:1]}
     if rank == 0:
         out.write_text(json.dumps(results))
 

@@ -38,6 +38,7 @@ from typing import Any
 
 from torch import nn
 
+from megastrategy.fused_experts import is_fused_experts
 from megastrategy.layers.unit_types import HEAD_ATTRS, BuiltinUnit, Refusal, SizeCheck, is_hf_pretrained, is_linear_layer
 from megastrategy.naming import join_name, parent_name
 
@@ -108,11 +109,13 @@ class _Translator:
         self.members: dict[str, list[tuple[str, str, dict[str, Any]]]] = {}
 
     def run(self, plan: dict[str, str]) -> None:
+        # fused experts stay whole on every TP rank (exact); expert parallelism splits them over ep
+        fused = {n for n, m in self.modules.items() if n and is_fused_experts(m)}
         for key, style in plan.items():
             pattern = _key_regex(key)
-            for local in [n for n in self.modules if n and pattern.match(n)]:
+            for local in [n for n in self.modules if n and pattern.match(n) and n not in fused]:
                 self._module(local, style)
-            for local in [p for p in self.params if pattern.match(p)]:
+            for local in [p for p in self.params if pattern.match(p) and parent_name(p) not in fused]:
                 self._refuse(local, style, "the declaration names a parameter (a fused MoE expert weight or a "
                              "bare parameter), which only Hugging Face's DTensor path shards")
         for parent, members in self.members.items():

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from megastrategy.fused_experts import is_fused_experts
 from megastrategy.layers.plan import ResolvedPlan, resolve_tp_plan
 from megastrategy.layers.plan.module_names import globify
 from megastrategy.layers.shard_spec import padded_size_for
@@ -90,7 +91,19 @@ def _replicated_names(plan: ResolvedPlan) -> list[str]:
     return out
 
 
-def plan_report(module: nn.Module, plan: ResolvedPlan) -> str:
+def _experts_lines(module: nn.Module, ep: int) -> tuple[list[str], int]:
+    """Hugging Face fused experts (whole under TP, split over ``ep``): the report's line, and the
+    elements a rank does not hold because of ``ep``."""
+    experts = [(n, m) for n, m in module.named_modules() if is_fused_experts(m)]
+    if not experts:
+        return [], 0
+    numel = sum(p.numel() for _, m in experts for p in m.parameters())
+    names = sorted({globify(n) for n, _ in experts})
+    how = f"split over ep={ep} by expert parallelism" if ep > 1 else "pass ep > 1 to split them over experts"
+    return [f"experts (whole on every TP rank; {how}): " + ", ".join(names)], numel - numel // ep
+
+
+def plan_report(module: nn.Module, plan: ResolvedPlan, ep: int = 1) -> str:
     """The plan as text: sharded modules (one line per glob), replicated layers, parameters per rank."""
     groups: dict[tuple[str, str, str], int] = Counter()
     for e in plan.sharded:
@@ -103,14 +116,17 @@ def plan_report(module: nn.Module, plan: ResolvedPlan) -> str:
     replicated = _replicated_names(plan)
     if replicated:
         lines.append("replicated (whole on every rank): " + ", ".join(replicated))
+    expert_lines, not_held = _experts_lines(module, ep)
+    lines += expert_lines
     local, total = parameters_per_rank(module, plan)
+    local -= not_held
     lines.append(f"parameters per rank: {local:,} of {total:,} ({100 * local / max(total, 1):.1f}%)")
     return "\n".join(lines)
 
 
-def report_for(target: str, tp: int, task: str = "lm", tp_plan: Any = None) -> str:
+def report_for(target: str, tp: int, task: str = "lm", tp_plan: Any = None, ep: int = 1) -> str:
     """Load ``target``, resolve its plan at ``tp`` (``tp_plan``: a dict or its JSON) and describe it."""
     if isinstance(tp_plan, str):
         tp_plan = json.loads(tp_plan)
     module = load_model(target, task)
-    return plan_report(module, resolve_tp_plan(module, tp_plan, tp))
+    return plan_report(module, resolve_tp_plan(module, tp_plan, tp), ep=ep)

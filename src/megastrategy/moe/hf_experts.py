@@ -11,7 +11,6 @@ model's own code, so training equals one device's.
 """
 from __future__ import annotations
 
-import inspect
 from typing import Iterator
 
 import torch
@@ -19,6 +18,7 @@ from torch import Tensor, nn
 from torch.nn import functional as F
 
 from megastrategy.errors import MegatronConfigError
+from megastrategy.fused_experts import FUSED_EXPERT_PARAMS, is_fused_experts
 from megastrategy.moe.dispatcher import (
     AllToAllDispatcher, narrow_rows, gather_tokens, group_rank, group_world_size, split_tokens,
 )
@@ -26,23 +26,6 @@ from megastrategy.moe.expert_attr import EXPERT_ATTR
 from megastrategy.moe.experts import ExpertParamInfo
 
 __all__ = ["FusedExpertsParallel", "fused_experts", "is_fused_experts", "shard_fused_experts", "validate_fused_experts"]
-
-_FUSED = ("gate_up_proj", "down_proj")
-
-
-def is_fused_experts(m: nn.Module) -> bool:
-    """Hugging Face's fused-experts convention: 3-D ``gate_up_proj`` [E, 2F, H], ``down_proj`` [E, H, F]
-    and a forward taking ``(hidden_states, top_k_index, top_k_weights)``."""
-    gate_up, down = (getattr(m, n, None) for n in _FUSED)
-    if not (isinstance(gate_up, nn.Parameter) and isinstance(down, nn.Parameter)) or isinstance(m, FusedExpertsParallel):
-        return False
-    if gate_up.dim() != 3 or down.dim() != 3 or gate_up.size(0) != down.size(0):
-        return False
-    e, two_f, h = gate_up.shape
-    if tuple(down.shape[1:]) != (h, two_f // 2) or two_f % 2:
-        return False
-    return len(inspect.signature(m.forward).parameters) == 3
-
 
 def fused_experts(module: nn.Module) -> Iterator[tuple[str, nn.Module]]:
     for name, m in module.named_modules():
@@ -69,13 +52,15 @@ def validate_fused_experts(module: nn.Module, layout) -> None:
 class FusedExpertsParallel(nn.Module):
     """This rank's slice of a fused-experts module, fed by an all-to-all over the EP group."""
 
+    expert_parallel = True  # already split: not a candidate for splitting again
+
     def __init__(self, original: nn.Module, *, ep_group, tp_group=None) -> None:
         super().__init__()
         ep, rank = group_world_size(ep_group), group_rank(ep_group)
         self.num_experts = original.gate_up_proj.size(0)
         self.num_local_experts = self.num_experts // ep
         self.act_fn = original.act_fn
-        for name in _FUSED:
+        for name in FUSED_EXPERT_PARAMS:
             full: Tensor = getattr(original, name)
             local = full.detach().narrow(0, rank * self.num_local_experts, self.num_local_experts).clone()
             p = nn.Parameter(local, requires_grad=full.requires_grad)

@@ -117,6 +117,8 @@ class PipelineStage:
     pp_size: int
     vp_size: int
     tied_parameters: list[nn.Parameter] = field(default_factory=list)
+    # (name, module) whose calls from the user's step reach the stack or follow it (see model_calls.py)
+    call_modules: list[tuple[str, nn.Module]] = field(default_factory=list)
     _chunk_swaps: list[list[_Swap]] = field(default_factory=list)
     _resting_swaps: list[_Swap] = field(default_factory=list)
     _pending_input: Optional[torch.Tensor] = None
@@ -199,6 +201,8 @@ def cut_stage(
     for s in pre_swaps_stand:
         s.module.stage_done = lambda: stage._stack_finished
 
+    stage.call_modules = _call_modules(module, stack_path, anatomy)
+    stage.call_modules += [(s.module._name, s.module) for s in post_swaps_stand]
     all_layers = LocalLayers({i: stack[i] for chunk in chunks for i in chunk})
     for c, chunk in enumerate(chunks):
         swaps = [_Swap(stack_parent, stack_attr, LocalLayers({i: stack[i] for i in chunk}))]
@@ -217,6 +221,14 @@ def cut_stage(
     if not holds_first:
         stage.tied_parameters = [p for p in stage.tied_parameters if holds_last]
     return stage
+
+
+def _call_modules(root: nn.Module, stack_path: str, anatomy: ModelAnatomy) -> list[tuple[str, nn.Module]]:
+    """The stack's ancestors (the user's step reaches the stack through one of them) and the real
+    modules registered after it (a step may call a head itself)."""
+    parts = stack_path.split(".")
+    ancestors = [(".".join(parts[:i]), get_submodule_path(root, ".".join(parts[:i])) if i else root) for i in range(len(parts))]
+    return ancestors + [(o.name, o.module) for o in anatomy.post]
 
 
 def iter_microbatches(batch: Any, num_microbatches: int) -> Iterator[Any]:

@@ -11,7 +11,6 @@ tests/helpers/launch.py; rank 0 writes what every rank recorded and what Lightni
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
@@ -29,6 +28,7 @@ from torch.utils.data import DataLoader  # noqa: E402
 from torchmetrics.classification import BinaryAccuracy  # noqa: E402
 
 from tests.helpers.models import SEQ, VOCAB, TokenDataset  # noqa: E402
+from tests.helpers.script_args import layout_parser  # noqa: E402
 
 
 def _plain(value):
@@ -131,13 +131,7 @@ class Recorder(L.Callback):
 
 
 def main() -> None:
-    p = argparse.ArgumentParser()
-    p.add_argument("--out", required=True)
-    p.add_argument("--strategy", choices=["ddp", "megatron"], required=True)
-    p.add_argument("--tp", type=int, default=1)
-    p.add_argument("--pp", type=int, default=1)
-    p.add_argument("--vp", type=int, default=None)
-    args = p.parse_args()
+    args = layout_parser().parse_args()
     torch.set_num_threads(1)
     L.seed_everything(3, verbose=False)
     module = GLUETransformer()

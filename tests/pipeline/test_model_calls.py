@@ -54,3 +54,11 @@ def test_a_runner_built_again_takes_over_the_wrapped_forward():
     with second.recording() as recorded:
         outer(torch.ones(1))
     assert len(recorded) == 1
+
+
+def test_the_wrapped_forward_keeps_its_signature():
+    import inspect
+
+    outer, _ = _model()
+    ModelCalls([("model", outer)])
+    assert list(inspect.signature(outer.forward).parameters) == ["x"]

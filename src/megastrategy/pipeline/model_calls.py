@@ -14,6 +14,7 @@ stack. The outermost such call made by a step is a *model call*; the step runner
 """
 from __future__ import annotations
 
+import functools
 from contextlib import contextmanager
 from typing import Any, Iterator, Sequence
 
@@ -26,10 +27,11 @@ __all__ = ["ModelCalls"]
 
 class _CallThrough:
     """A module's ``forward`` routed through :class:`ModelCalls` (a class, not a closure, so that
-    ``repr`` and deep copies stay readable)."""
+    deep copies rebind it); it keeps the forward's name and signature for code that inspects them."""
 
     def __init__(self, calls: "ModelCalls", forward: Any, name: str) -> None:
         self.calls, self.forward, self.name = calls, forward, name
+        functools.update_wrapper(self, forward)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return self.calls.call(self, args, kwargs)

@@ -42,7 +42,7 @@ def test_a_step_calling_the_model_differently_than_on_the_last_stage_is_refused(
         with calls.replaying([torch.ones(1)], "training_step"):
             outer(torch.ones(1))
             outer(torch.ones(1))
-    with pytest.raises(MegatronConfigError, match="made 0 model call"):
+    with pytest.raises(MegatronConfigError, match="made fewer model calls"):
         with calls.replaying([torch.ones(1)], "training_step"):
             pass
 

@@ -5,9 +5,9 @@ only stage, so a step is a one-stage, one-microbatch schedule: forward, then (tr
 backward through Lightning's own ``backward`` (its hooks and loss scaling included). With
 ``pp > 1`` the batch is split into microbatches and this rank's schedule runs them. The user's
 step runs whole on every rank, as on one device: the last stage records what its model calls
-return (:mod:`.model_calls`), relays it to the other stages after the schedule
-(:mod:`.output_relay`), and they run the step again for each microbatch with the model call
-answered from the relay, computing nothing, so every line after the forward (``self.outputs``,
+return (:mod:`.model_calls`) and relays it to the other stages after the schedule
+(:mod:`.output_relay`); there each microbatch's step paused at its model call
+(:mod:`.suspended_step`) goes on with the relayed value, computing nothing, so every line after the forward (``self.outputs``,
 torchmetrics updates, ``self.log``, returned dicts) runs with one device's values. Per-microbatch
 ``self.log`` calls are combined by their ``reduce_fx`` (:mod:`.log_relay`), the step outputs are
 joined into the batch's (:mod:`.step_output`). Lightning's backward hooks (``on_before_backward(loss)``,
@@ -34,6 +34,7 @@ from megastrategy.pipeline.output_relay import OutputRelay
 from megastrategy.pipeline.schedules import forward_only_steps, schedule_steps
 from megastrategy.pipeline.stage import PipelineStage, StageBoundary, iter_microbatches
 from megastrategy.pipeline.step_output import join_step_outputs
+from megastrategy.pipeline.suspended_step import SuspendedStep
 
 __all__ = ["StepRunner"]
 
@@ -59,6 +60,7 @@ class StepRunner:
         self.relay = relay
         self.calls = ModelCalls(stage.call_modules) if stage is not None else None
         self._recorded: dict[int, list] = {}  # microbatch -> its model calls' outputs (last stage)
+        self._paused: dict[int, SuspendedStep] = {}  # microbatch -> its step, paused at the model call
         self._components = list(components)
         self._hooks = {h: [c for c in components if overrides(c, h)] for h in _STEP_HOOKS}
         self._metric_paths: Optional[dict[int, str]] = None  # id(metric) -> attribute path
@@ -144,22 +146,22 @@ class StepRunner:
             self._capture = capture
             try:
                 self._execute(step, self._stage_forward(user_step, outputs, step), None)
-                self._finish_steps(step, user_step, outputs)
+                self._finish_steps(step, outputs)
             finally:
-                self._capture, self._recorded = None, {}
+                for paused in self._paused.values():
+                    paused.abort()
+                self._capture, self._recorded, self._paused = None, {}, {}
         replay_logs(module, capture)
         return join_step_outputs(outputs, step.name)
 
-    def _finish_steps(self, step: StepInfo, user_step: Callable, outputs: list) -> None:
-        """Relay the last stage's model outputs; the other stages run the rest of each microbatch's step."""
+    def _finish_steps(self, step: StepInfo, outputs: list) -> None:
+        """Relay the last stage's model outputs; the other stages finish each microbatch's paused step."""
         holds_last = self.executor.holds_last_stage
         relayed = self.relay.relay([self._recorded[m] for m in range(step.num_microbatches)] if holds_last else None)
         if holds_last:
             return
-        with torch.no_grad():
-            for microbatch, calls in enumerate(relayed):
-                with self.calls.replaying(calls, step.name):
-                    outputs.append(user_step(microbatch))
+        for microbatch, calls in enumerate(relayed):
+            outputs.append(self._paused.pop(microbatch).resume(calls))
 
     def _execute(self, step: StepInfo, forward_step: Callable, backward_fn: Optional[LightningBackward]) -> None:
         m, ex = step.num_microbatches, self.executor
@@ -193,21 +195,33 @@ class StepRunner:
     def _user_step(
         self, step_fn: Callable, microbatches: list, rest: tuple, kwargs: Mapping[str, Any], step: StepInfo
     ) -> Callable:
-        """``run_user_step(microbatch, keep_logs)``: the user's step on one microbatch, in the
+        """``run_user_step(microbatch, keep_logs, pause)``: the user's step on one microbatch, in the
         components' per-microbatch context; ``keep_logs=False`` drops its ``self.log`` calls (a
-        stage's share of the forward, which the step's whole run on this rank repeats)."""
+        stage's share of the forward, which the step's whole run on this rank repeats). With
+        ``pause`` the step pauses at its model call (:meth:`_start_paused`), leaving the components'
+        contexts while it waits, since other microbatches enter them meanwhile."""
         contexts, preparers = self._hooks["forward_context"], self._hooks["prepare_microbatch"]
 
-        def run_user_step(microbatch: int, keep_logs: bool = True) -> Any:
+        def run_user_step(microbatch: int, keep_logs: bool = True, pause: Optional[Callable] = None) -> Any:
             batch = microbatches[microbatch]
             if self._capture is not None:
                 self._capture.begin_microbatch(batch, keep=keep_logs)
             for c in preparers:
                 batch = c.prepare_microbatch(batch, step)
             with ExitStack() as stack:
-                for c in contexts:
-                    stack.enter_context(c.forward_context(batch))
-                return step_fn(batch, *rest, **kwargs)
+                enter = lambda: [stack.enter_context(c.forward_context(batch)) for c in contexts]  # noqa: E731
+                enter()
+                if pause is None:
+                    return step_fn(batch, *rest, **kwargs)
+
+                def leave_and_pause(activation: torch.Tensor) -> list:
+                    stack.close()
+                    relayed = pause(activation)
+                    enter()
+                    return relayed
+
+                with self.calls.pausing(leave_and_pause, step.name):
+                    return step_fn(batch, *rest, **kwargs)
 
         return run_user_step
 
@@ -218,6 +232,8 @@ class StepRunner:
             stage.activate(chunk, input_tensor)
             whole = stage.is_last_virtual(chunk)  # this run reaches the end of the user's step
             try:
+                if not whole and chunk == stage.vp_size - 1:  # the step goes on here after the relay
+                    return self._start_paused(run_user_step, microbatch, step)
                 with self.calls.recording() if whole else nullcontext() as recorded:
                     out = run_user_step(microbatch, keep_logs=whole)
             except StageBoundary as boundary:
@@ -234,6 +250,22 @@ class StepRunner:
             return _as_loss(out, step.name) if step.training else _NOTHING()
 
         return forward_step
+
+    def _start_paused(self, run_user_step: Callable, microbatch: int, step: StepInfo) -> torch.Tensor:
+        """Run the microbatch's step up to the stage cut in its own thread, paused there until the relay."""
+
+        def body(paused: SuspendedStep) -> Any:
+            return run_user_step(microbatch, keep_logs=True, pause=paused.pause)
+
+        paused = SuspendedStep(body)
+        kind, value = paused.start()
+        if kind != "paused":
+            raise MegatronConfigError(
+                f"{step.name} finished on pipeline stage {self.stage.pp_rank} without running its last block: the "
+                f"forward must run the blocks of {self.stage.stack_path} in order."
+            )
+        self._paused[microbatch] = paused
+        return value
 
 
 _STEP_HOOKS = ("begin_step", "prepare_microbatch", "forward_context", "on_forward", "on_backward", "end_step")

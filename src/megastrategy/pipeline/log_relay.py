@@ -1,7 +1,7 @@
 """Turn the per-microbatch ``self.log`` calls of a pipelined step into the whole batch's calls.
 
 Under pipeline parallelism every rank runs the user's step once per microbatch (the stages before
-the last with the model outputs relayed from it, :mod:`.model_calls`), so each rank makes the same
+the last finish it with the model outputs relayed from it, :mod:`.model_calls`), so each rank makes the same
 ``self.log`` calls with the same values, once per microbatch. They are captured, combined over the
 microbatches the way the call's ``reduce_fx`` combines values (:mod:`.log_reduce`), and replayed on
 the rank once, with the whole batch's ``batch_size``: rank 0's progress bar, loggers and callbacks
@@ -37,7 +37,8 @@ class _LogCapture:
 
     def begin_microbatch(self, microbatch: Any, keep: bool = True) -> None:
         """The step runner announces the microbatch whose ``self.log`` calls come next, and
-        whether they count (a stage's share of the forward repeats calls made before the model call)."""
+        whether they count (a run that ends at a stage cut of an earlier chunk repeats calls made
+        before the model call)."""
         self._microbatch_size = microbatch_size(microbatch) if keep else 1
         self._keep = keep
 

@@ -196,8 +196,8 @@ class StepRunner:
         self, step_fn: Callable, microbatches: list, rest: tuple, kwargs: Mapping[str, Any], step: StepInfo
     ) -> Callable:
         """``run_user_step(microbatch, keep_logs, pause)``: the user's step on one microbatch, in the
-        components' per-microbatch context; ``keep_logs=False`` drops its ``self.log`` calls (a
-        stage's share of the forward, which the step's whole run on this rank repeats). With
+        components' per-microbatch context; ``keep_logs=False`` drops its ``self.log`` calls (the
+        run of an earlier chunk, which ends at a stage cut; the chunk that finishes the step repeats them). With
         ``pause`` the step pauses at its model call (:meth:`_start_paused`), leaving the components'
         contexts while it waits, since other microbatches enter them meanwhile."""
         contexts, preparers = self._hooks["forward_context"], self._hooks["prepare_microbatch"]

@@ -37,6 +37,16 @@ def _model_outputs():
     return [first, second]
 
 
+def _arrived_intact(got) -> bool:
+    from transformers.modeling_outputs import SequenceClassifierOutput
+
+    expected = _model_outputs()
+    (out,), ((ids, extra),) = got
+    return (type(out) is SequenceClassifierOutput and list(out.keys()) == ["loss", "logits"]
+            and torch.equal(out.loss, expected[0][0].loss) and torch.equal(out[1], expected[0][0].logits)
+            and torch.equal(ids, expected[1][0][0]) and extra["n"] == 3 and torch.equal(extra["mask"], expected[1][0][1]["mask"]))
+
+
 def _relay(rank, world):
     relay = OutputRelay(group=None, src=world - 1, device=torch.device("cpu"))
     pickled, broadcast_object_list = [], dist.broadcast_object_list
@@ -46,25 +56,17 @@ def _relay(rank, world):
         return broadcast_object_list(*args, **kwargs)
 
     dist.broadcast_object_list = counting  # this worker process only
-    seen, sizes = [], []
+    intact, sizes = [], []
     for step in range(3):  # the same structure three times: pickled once
-        seen.append(relay.relay(_model_outputs() if rank == world - 1 else None))
+        intact.append(_arrived_intact(relay.relay(_model_outputs() if rank == world - 1 else None)))
         sizes.append(relay.last_bytes)
-    return seen, sizes, len(pickled)
+    return intact, sizes, len(pickled)  # plain values: tensors would outlive the worker's queue
 
 
 @pytest.mark.slow
 def test_model_outputs_arrive_intact_and_the_structure_travels_once():
-    from transformers.modeling_outputs import SequenceClassifierOutput
-
-    expected = _model_outputs()
-    for seen, sizes, pickled in run_distributed(_relay, 2, timeout=90):
-        assert pickled == 1
-        for got in seen:
-            (out,), ((ids, extra),) = got
-            assert type(out) is SequenceClassifierOutput and list(out.keys()) == ["loss", "logits"]
-            assert torch.equal(out.loss, expected[0][0].loss) and torch.equal(out[1], expected[0][0].logits)
-            assert torch.equal(ids, expected[1][0][0]) and extra["n"] == 3 and extra["mask"].dtype == torch.bool
+    for intact, sizes, pickled in run_distributed(_relay, 2, timeout=90):
+        assert intact == [True] * 3 and pickled == 1
         payload = 4 + 6 * 4 + 2 * 8 + 2  # loss, logits, ids, mask
         header = 8 * (1 + 2 + 3 + 5 + 4 + 4)  # length; new, count; kind, dtype, ndim and shape per tensor
         assert sizes == [payload + header] * 3
@@ -115,6 +117,16 @@ def test_all_gather_at_epoch_end_sees_every_example_once(layout):
     assert len(ddp[0]["gathered"]) == 2 and len(ddp[0]["gathered"][0]) == 16
     for rank, rec in enumerate(ours):
         assert rec["gathered"] == ddp[0]["gathered"], f"rank {rank}"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", ["pp2", "tp2-pp2", "pp2-dp2"])
+def test_lines_before_the_model_call_run_once_per_example_on_every_rank(layout):
+    """Stages before the last pause the step at the model call instead of running it twice
+    (with vp > 1 a rank's earlier chunks repeat them: documented)."""
+    ours, ddp = _layouts(layout)
+    for rank, rec in enumerate(ours):
+        assert sum(rec["seen_before_forward"]) == sum(ddp[rec["replica"]]["seen_before_forward"]) > 0, f"rank {rank}"
 
 
 @pytest.mark.slow

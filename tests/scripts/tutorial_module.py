@@ -68,6 +68,7 @@ class GLUETransformer(L.LightningModule):
         return {"loss": loss, "correct": correct, "logits": outputs.logits}
 
     def validation_step(self, batch, batch_idx, dataloader_idx=0):
+        self.rec["seen_before_forward"].append(batch["labels"].numel())  # a side effect before the model call
         outputs = self(**batch)
         val_loss, logits = outputs[:2]
         preds = torch.argmax(logits, axis=1)

@@ -1,12 +1,11 @@
 """Per-microbatch ``self.log`` calls combine into the whole batch's value by the call's
-``reduce_fx``, and are replayed on the module's device (NCCL's ``sync_dist`` needs it)."""
+``reduce_fx``, and are replayed once on the module's device (NCCL's ``sync_dist`` needs it)."""
 import pytest
 import torch
 
 from megastrategy.errors import MegatronConfigError
 from megastrategy.pipeline.log_reduce import combine_microbatches, microbatch_size
-from megastrategy.pipeline.log_relay import _LogCapture, relay_logs
-from tests.helpers.dist import run_distributed
+from megastrategy.pipeline.log_relay import _LogCapture, replay_logs
 
 
 def test_each_reduction_gives_the_whole_batch_value():
@@ -42,19 +41,14 @@ class _FakeModule:
         self.logged.append((name, value.device.type, value.dtype, kwargs))
 
 
-def _relay(rank, world):
-    capture = None
-    if rank == world - 1:
-        capture = _LogCapture({})
-        for mb in range(2):
-            capture.begin_microbatch(torch.ones(2, 1))
-            capture("s", torch.tensor(float(mb + 1)), reduce_fx="sum", sync_dist=True)
+def test_replayed_values_are_on_the_module_device_and_dropped_calls_do_not_count():
+    capture = _LogCapture({})
+    for mb in range(2):
+        capture.begin_microbatch(torch.ones(2, 1), keep=False)  # a stage's share of the forward
+        capture("s", torch.tensor(100.0), reduce_fx="sum")
+        capture.begin_microbatch(torch.ones(2, 1))
+        capture("s", torch.tensor(float(mb + 1)), reduce_fx="sum", sync_dist=True, sync_dist_group="g")
     module = _FakeModule()
-    relay_logs(module, capture, src=world - 1, group=None, result=None)
-    return module.logged
-
-
-@pytest.mark.slow
-def test_replayed_values_are_on_the_module_device():
-    for logged in run_distributed(_relay, 2, timeout=60):
-        assert logged == [("s", "meta", torch.float32, {"reduce_fx": "sum", "sync_dist": True, "batch_size": 4})]
+    replay_logs(module, capture)
+    assert module.logged == [("s", "meta", torch.float32, {"reduce_fx": "sum", "sync_dist": True,
+                                                           "sync_dist_group": "g", "batch_size": 4})]

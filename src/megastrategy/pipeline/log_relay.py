@@ -1,12 +1,12 @@
-"""Relay the last stage's ``self.log`` calls to every pipeline stage.
+"""Turn the per-microbatch ``self.log`` calls of a pipelined step into the whole batch's calls.
 
-Under pipeline parallelism only the last stage computes losses and reaches the user's
-``self.log`` calls, once per microbatch. Those calls are captured there, combined over the
-microbatches the way the call's ``reduce_fx`` combines values (:mod:`.log_reduce`), sent to every
-stage of the pipeline and replayed on every rank with the whole batch's ``batch_size``: rank 0's
-progress bar, loggers and callbacks then see what one device logs for the whole batch, and
-``sync_dist`` collectives are entered by every rank (no deadlock) with tensors on the module's
-device (NCCL cannot reduce CPU tensors).
+Under pipeline parallelism every rank runs the user's step once per microbatch (the stages before
+the last finish it with the model outputs relayed from it, :mod:`.model_calls`), so each rank makes the same
+``self.log`` calls with the same values, once per microbatch. They are captured, combined over the
+microbatches the way the call's ``reduce_fx`` combines values (:mod:`.log_reduce`), and replayed on
+the rank once, with the whole batch's ``batch_size``: rank 0's progress bar, loggers and callbacks
+then see what one device logs for the whole batch, and ``sync_dist`` collectives are entered by
+every rank (no deadlock) with tensors on the module's device (NCCL cannot reduce CPU tensors).
 """
 from __future__ import annotations
 
@@ -14,13 +14,9 @@ from contextlib import contextmanager
 from typing import Any, Iterator, Optional
 
 import torch
-import torch.distributed as dist
 
 from megastrategy.errors import MegatronConfigError
 from megastrategy.pipeline.log_reduce import combine_microbatches, microbatch_size
-
-_UNPICKLABLE_LOG_ARGS = ("sync_dist_group",)
-
 
 class _LogCapture:
     """Records ``self.log`` calls made during the microbatches of one step.
@@ -28,8 +24,7 @@ class _LogCapture:
     Plain values are recorded with their microbatch's size (the call's ``batch_size=`` or the
     size Lightning would infer from the microbatch) and combined by :meth:`combined`. A
     torchmetrics object is recorded by its attribute path: the metric itself accumulated every
-    microbatch, and its state is shipped to the other stages so that every rank logs an
-    identical metric.
+    microbatch, on every rank alike.
     """
 
     def __init__(self, metric_paths: dict[int, str]) -> None:
@@ -38,13 +33,18 @@ class _LogCapture:
         self.metric_step_values: dict[str, list[torch.Tensor]] = {}
         self._metric_paths = metric_paths
         self._microbatch_size = 1
+        self._keep = True
 
-    def begin_microbatch(self, microbatch: Any) -> None:
-        """The step runner announces the microbatch whose ``self.log`` calls come next."""
-        self._microbatch_size = microbatch_size(microbatch)
+    def begin_microbatch(self, microbatch: Any, keep: bool = True) -> None:
+        """The step runner announces the microbatch whose ``self.log`` calls come next, and
+        whether they count (a run that ends at a stage cut of an earlier chunk repeats calls made
+        before the model call)."""
+        self._microbatch_size = microbatch_size(microbatch) if keep else 1
+        self._keep = keep
 
     def __call__(self, name: str, value: Any, **kwargs: Any) -> None:
-        kwargs = {k: v for k, v in kwargs.items() if k not in _UNPICKLABLE_LOG_ARGS}
+        if not self._keep:
+            return
         if id(value) in self._metric_paths:
             self.metrics[name] = (self._metric_paths[id(value)], kwargs)
             if isinstance(value._forward_cache, torch.Tensor):  # this microbatch's value
@@ -83,32 +83,6 @@ def metric_paths(module) -> dict[int, str]:
     return {id(m): name for name, m in module.named_modules() if isinstance(m, Metric)}
 
 
-_METRIC_EXTRA = ("_forward_cache", "_update_count", "_computed")
-
-
-def _metric_snapshot(metric, step_value: Optional[torch.Tensor]) -> dict[str, Any]:
-    """Everything Lightning reads from a logged metric: its states and the step's value."""
-    detach = lambda v: v.detach().cpu() if isinstance(v, torch.Tensor) else v  # noqa: E731
-    states = {
-        k: ([detach(x) for x in v] if isinstance(v, list) else detach(v)) for k, v in metric.metric_state.items()
-    }
-    snapshot = {"states": states, **{k: detach(getattr(metric, k, None)) for k in _METRIC_EXTRA}}
-    if step_value is not None:
-        snapshot["_forward_cache"] = step_value
-    return snapshot
-
-
-def _restore_metric(metric, snapshot: dict[str, Any], device: torch.device, *, states: bool) -> None:
-    move = lambda v: v.to(device) if isinstance(v, torch.Tensor) else v  # noqa: E731
-    if states:
-        for k, v in snapshot["states"].items():
-            setattr(metric, k, [move(x) for x in v] if isinstance(v, list) else move(v))
-        for k in _METRIC_EXTRA:
-            setattr(metric, k, move(snapshot[k]))
-    else:
-        metric._forward_cache = move(snapshot["_forward_cache"])
-
-
 @contextmanager
 def capturing_logs(module, metric_paths: dict[int, str]) -> Iterator["_LogCapture"]:
     capture = _LogCapture(metric_paths)
@@ -119,31 +93,13 @@ def capturing_logs(module, metric_paths: dict[int, str]) -> Iterator["_LogCaptur
         del module.log
 
 
-
-def relay_logs(module, capture: Optional[_LogCapture], *, src: int, group, result: Any) -> Any:
-    """Send the last stage's captured logs (and the step's ``result``) to every stage and replay them.
-
-    Collective over ``group``; ``capture`` and ``result`` are read on rank ``src`` only. Returns
-    ``result`` as seen on ``src``.
-    """
-    payload: list[Any] = [None]
-    if dist.get_rank() == src:
-        payload = [
-            {
-                "logs": capture.combined(),
-                "metrics": {
-                    name: (path, kw, _metric_snapshot(module.get_submodule(path), capture.metric_step_value(name)))
-                    for name, (path, kw) in capture.metrics.items()
-                },
-                "result": result,
-            }
-        ]
-    dist.broadcast_object_list(payload, src=src, group=group)
-    received = payload[0]
-    for name, value, kwargs in received["logs"]:
+def replay_logs(module, capture: _LogCapture) -> None:
+    """Make the step's combined ``self.log`` calls on the module, once for the whole batch."""
+    for name, value, kwargs in capture.combined():
         module.log(name, torch.tensor(value, dtype=torch.float32, device=module.device), **kwargs)
-    for name, (path, kwargs, snapshot) in received["metrics"].items():
+    for name, (path, kwargs) in capture.metrics.items():
         metric = module.get_submodule(path)
-        _restore_metric(metric, snapshot, module.device, states=dist.get_rank() != src)
+        step_value = capture.metric_step_value(name)
+        if step_value is not None:  # what Lightning logs on_step: the batch's value, not the last microbatch's
+            metric._forward_cache = step_value.to(module.device)
         module.log(name, metric, **kwargs)
-    return received["result"]

@@ -129,6 +129,8 @@ class PipelineStage:
     shared_layer_parameters: list[nn.Parameter] = field(default_factory=list)  # of blocks applied on several stages
     stack_calls: Optional[tuple[int, ...]] = None  # block of each application, when blocks are reused
     carried: tuple[tuple[int, str], ...] = ()  # (output index, argument) a block hands the next besides the hidden
+    # (name, module) whose calls from the user's step reach the stack or follow it (see model_calls.py)
+    call_modules: list[tuple[str, nn.Module]] = field(default_factory=list)
     _chunk_swaps: list[list[_Swap]] = field(default_factory=list)
     _resting_swaps: list[_Swap] = field(default_factory=list)
     _pending_input: Optional[torch.Tensor] = None
@@ -282,7 +284,18 @@ def cut_stage(
     # the first and last stages each keep a copy, kept equal by an all-reduce of their gradients.
     tied = list(anatomy.tied_parameters) if holds_first or holds_last else []
     stage.tied_parameters = tied + stage.shared_layer_parameters
+    stand_ins = [s.module for swaps in stage._chunk_swaps + [stage._resting_swaps] for s in swaps
+                 if isinstance(s.module, Unreachable)]
+    stage.call_modules = _call_modules(module, stack_path, anatomy) + [(m._name, m) for m in stand_ins]
     return stage
+
+
+def _call_modules(root: nn.Module, stack_path: str, anatomy: ModelAnatomy) -> list[tuple[str, nn.Module]]:
+    """The stack's ancestors (the user's step reaches the stack through one of them) and the real
+    modules registered after it (a step may call a head itself)."""
+    parts = stack_path.split(".")
+    ancestors = [(".".join(parts[:i]), get_submodule_path(root, ".".join(parts[:i])) if i else root) for i in range(len(parts))]
+    return ancestors + [(o.name, o.module) for o in anatomy.post]
 
 
 def _reused_stack(

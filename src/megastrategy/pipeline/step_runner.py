@@ -3,30 +3,38 @@
 Every layout goes through :class:`StepRunner`. Without a pipeline the rank holds the one and
 only stage, so a step is a one-stage, one-microbatch schedule: forward, then (training) the
 backward through Lightning's own ``backward`` (its hooks and loss scaling included). With
-``pp > 1`` the batch is split into microbatches and this rank's schedule runs them; only the
-last stage reaches the user's ``self.log`` calls, which :mod:`.log_relay` replays everywhere.
-Lightning's backward hooks (``on_before_backward(loss)``, ``on_after_backward``) then run once for
-the step, as one device runs them once per batch: after the schedule, when the whole batch's loss
-is known on every stage and the stage's gradients are complete.
+``pp > 1`` the batch is split into microbatches and this rank's schedule runs them. The user's
+step runs whole on every rank, as on one device: the last stage records what its model calls
+return (:mod:`.model_calls`) and relays it to the other stages after the schedule
+(:mod:`.output_relay`); there each microbatch's step paused at its model call
+(:mod:`.suspended_step`) goes on with the relayed value, computing nothing, so every line after the forward (``self.outputs``,
+torchmetrics updates, ``self.log``, returned dicts) runs with one device's values. Per-microbatch
+``self.log`` calls are combined by their ``reduce_fx`` (:mod:`.log_relay`), the step outputs are
+joined into the batch's (:mod:`.step_output`). Lightning's backward hooks (``on_before_backward(loss)``,
+``on_after_backward``) then run once for the step, as one device runs them once per batch: after the
+schedule, when the whole batch's loss is known on every stage and the stage's gradients are complete.
 
 The components (:mod:`megastrategy.component`) see the same protocol in both cases:
 ``begin_step``, per microbatch ``forward_context``/``on_forward``/``on_backward``, ``end_step``.
 """
 from __future__ import annotations
 
-from contextlib import ExitStack
+from contextlib import ExitStack, nullcontext
 from typing import Any, Callable, Mapping, Optional, Sequence
 
 import torch
-import torch.distributed as dist
 
 from megastrategy.batch_tree import flatten_batch
 from megastrategy.component import Component, SetupContext, StepInfo, overrides
 from megastrategy.errors import MegatronConfigError
 from megastrategy.pipeline.executor import LocalCommunicator, PipelineExecutor
-from megastrategy.pipeline.log_relay import capturing_logs, metric_paths, relay_logs
+from megastrategy.pipeline.log_relay import capturing_logs, metric_paths, replay_logs
+from megastrategy.pipeline.model_calls import ModelCalls
+from megastrategy.pipeline.output_relay import OutputRelay
 from megastrategy.pipeline.schedules import forward_only_steps, schedule_steps
 from megastrategy.pipeline.stage import PipelineStage, StageBoundary, iter_microbatches
+from megastrategy.pipeline.step_output import join_step_outputs
+from megastrategy.pipeline.suspended_step import SuspendedStep
 
 __all__ = ["StepRunner"]
 
@@ -44,13 +52,15 @@ class StepRunner:
         components: Sequence[Component],
         stage: Optional[PipelineStage] = None,
         num_microbatches: int = 1,
-        pp_group: Any = None,
-        last_stage_rank: int = 0,
+        relay: Optional[OutputRelay] = None,
         device: Optional[torch.device] = None,
     ) -> None:
         self.executor, self.stage, self.device = executor, stage, device
         self.num_microbatches = num_microbatches if stage is not None else 1
-        self.pp_group, self.last_stage_rank = pp_group, last_stage_rank
+        self.relay = relay
+        self.calls = ModelCalls(stage.call_modules) if stage is not None else None
+        self._recorded: dict[int, list] = {}  # microbatch -> its model calls' outputs (last stage)
+        self._paused: dict[int, SuspendedStep] = {}  # microbatch -> its step, paused at the model call
         self._components = list(components)
         self._hooks = {h: [c for c in components if overrides(c, h)] for h in _STEP_HOOKS}
         self._metric_paths: Optional[dict[int, str]] = None  # id(metric) -> attribute path
@@ -69,10 +79,10 @@ class StepRunner:
             tp_group=ps.tp_group, scatter_gather=not config.sequence_parallel,  # SP: TP ranks hold different slices
         )
         executor = PipelineExecutor(comm, pp_size=config.pp, pp_rank=ps.pp_rank, vp_size=config.vp_size)
+        relay = OutputRelay(group=ps.pp_group, src=ps.pp_ranks[-1], device=ctx.device, tp_group=ps.tp_group)
         return cls(
             executor=executor, components=components, stage=ctx.stage,
-            num_microbatches=config.num_microbatches, pp_group=ps.pp_group, last_stage_rank=ps.pp_ranks[-1],
-            device=ctx.device,
+            num_microbatches=config.num_microbatches, relay=relay, device=ctx.device,
         )
 
     @property
@@ -104,12 +114,14 @@ class StepRunner:
         for c in self._hooks["begin_step"]:
             c.begin_step(module, step)
         outputs: list = []
-        forward_step = self._forward_step(getattr(module, step_name), microbatches, args[1:], kwargs, outputs, step)
+        user_step = self._user_step(getattr(module, step_name), microbatches, args[1:], kwargs, step)
         if self.pipelined:
-            result = self._run_pipelined(module, step, forward_step, outputs)
-            if step.training and backward_hooks is not None and isinstance(result, torch.Tensor):
-                backward_hooks(result / step.accumulate_grad_batches if step.accumulate_grad_batches > 1 else result)
+            result = self._run_pipelined(module, step, user_step, outputs)
+            loss = _user_loss(result) if step.training else None
+            if backward_hooks is not None and loss is not None:
+                backward_hooks(loss / step.accumulate_grad_batches if step.accumulate_grad_batches > 1 else loss)
         else:
+            forward_step = _single_stage_forward(user_step, outputs, step)
             self._execute(step, forward_step, _single_stage_backward(outputs, lightning_backward))
             result = outputs[0]
         for c in self._hooks["end_step"]:
@@ -127,19 +139,29 @@ class StepRunner:
         m = self.num_microbatches if step_name == "training_step" else _eval_microbatches(batch, self.num_microbatches)
         return list(iter_microbatches(batch, m))
 
-    def _run_pipelined(self, module: Any, step: StepInfo, forward_step: Callable, outputs: list) -> Any:
+    def _run_pipelined(self, module: Any, step: StepInfo, user_step: Callable, outputs: list) -> Any:
         if self._metric_paths is None:  # the module's structure is fixed once it is sharded
             self._metric_paths = metric_paths(module)
         with capturing_logs(module, self._metric_paths) as capture:
             self._capture = capture
             try:
-                self._execute(step, forward_step, None)
+                self._execute(step, self._stage_forward(user_step, outputs, step), None)
+                self._finish_steps(step, outputs)
             finally:
-                self._capture = None
+                for paused in self._paused.values():
+                    paused.abort()
+                self._capture, self._recorded, self._paused = None, {}, {}
+        replay_logs(module, capture)
+        return join_step_outputs(outputs, step.name)
 
-        summary = _summarize(outputs, step.name) if dist.get_rank() == self.last_stage_rank else None
-        result = relay_logs(module, capture, src=self.last_stage_rank, group=self.pp_group, result=summary)
-        return result.to(self.device) if isinstance(result, torch.Tensor) and self.device is not None else result
+    def _finish_steps(self, step: StepInfo, outputs: list) -> None:
+        """Relay the last stage's model outputs; the other stages finish each microbatch's paused step."""
+        holds_last = self.executor.holds_last_stage
+        relayed = self.relay.relay([self._recorded[m] for m in range(step.num_microbatches)] if holds_last else None)
+        if holds_last:
+            return
+        for microbatch, calls in enumerate(relayed):
+            outputs.append(self._paused.pop(microbatch).resume(calls))
 
     def _execute(self, step: StepInfo, forward_step: Callable, backward_fn: Optional[LightningBackward]) -> None:
         m, ex = step.num_microbatches, self.executor
@@ -170,46 +192,80 @@ class StepRunner:
         return call
 
     # ------------------------------------------------------------------ one microbatch
-    def _forward_step(
-        self, step_fn: Callable, microbatches: list, rest: tuple, kwargs: Mapping[str, Any], outputs: list, step: StepInfo
+    def _user_step(
+        self, step_fn: Callable, microbatches: list, rest: tuple, kwargs: Mapping[str, Any], step: StepInfo
     ) -> Callable:
+        """``run_user_step(microbatch, keep_logs, pause)``: the user's step on one microbatch, in the
+        components' per-microbatch context; ``keep_logs=False`` drops its ``self.log`` calls (the
+        run of an earlier chunk, which ends at a stage cut; the chunk that finishes the step repeats them). With
+        ``pause`` the step pauses at its model call (:meth:`_start_paused`), leaving the components'
+        contexts while it waits, since other microbatches enter them meanwhile."""
         contexts, preparers = self._hooks["forward_context"], self._hooks["prepare_microbatch"]
 
-        def run_user_step(microbatch: int) -> Any:
+        def run_user_step(microbatch: int, keep_logs: bool = True, pause: Optional[Callable] = None) -> Any:
             batch = microbatches[microbatch]
             if self._capture is not None:
-                self._capture.begin_microbatch(batch)
+                self._capture.begin_microbatch(batch, keep=keep_logs)
             for c in preparers:
                 batch = c.prepare_microbatch(batch, step)
             with ExitStack() as stack:
-                for c in contexts:
-                    stack.enter_context(c.forward_context(batch))
-                return step_fn(batch, *rest, **kwargs)
+                enter = lambda: [stack.enter_context(c.forward_context(batch)) for c in contexts]  # noqa: E731
+                enter()
+                if pause is None:
+                    return step_fn(batch, *rest, **kwargs)
 
-        if not self.pipelined:
-            return _single_stage_forward(run_user_step, outputs, step)
-        return self._stage_forward(run_user_step, outputs, step)
+                def leave_and_pause(activation: torch.Tensor) -> list:
+                    stack.close()
+                    relayed = pause(activation)
+                    enter()
+                    return relayed
+
+                with self.calls.pausing(leave_and_pause, step.name):
+                    return step_fn(batch, *rest, **kwargs)
+
+        return run_user_step
 
     def _stage_forward(self, run_user_step: Callable, outputs: list, step: StepInfo) -> Callable:
         stage = self.stage
 
         def forward_step(chunk: int, microbatch: int, input_tensor: Optional[torch.Tensor]) -> torch.Tensor:
             stage.activate(chunk, input_tensor)
+            whole = stage.is_last_virtual(chunk)  # this run reaches the end of the user's step
             try:
-                out = run_user_step(microbatch)
+                if not whole and chunk == stage.vp_size - 1:  # the step goes on here after the relay
+                    return self._start_paused(run_user_step, microbatch, step)
+                with self.calls.recording() if whole else nullcontext() as recorded:
+                    out = run_user_step(microbatch, keep_logs=whole)
             except StageBoundary as boundary:
                 return boundary.output
             finally:
                 stage.deactivate()
-            if not stage.is_last_virtual(chunk):
+            if not whole:
                 raise MegatronConfigError(
                     f"{step.name} finished on pipeline stage {stage.pp_rank} chunk {chunk} without running its last "
                     f"block: the forward must run the blocks of {stage.stack_path} in order."
                 )
+            self._recorded[microbatch] = recorded
             outputs.append(out)
             return _as_loss(out, step.name) if step.training else _NOTHING()
 
         return forward_step
+
+    def _start_paused(self, run_user_step: Callable, microbatch: int, step: StepInfo) -> torch.Tensor:
+        """Run the microbatch's step up to the stage cut in its own thread, paused there until the relay."""
+
+        def body(paused: SuspendedStep) -> Any:
+            return run_user_step(microbatch, keep_logs=True, pause=paused.pause)
+
+        paused = SuspendedStep(body)
+        kind, value = paused.start()
+        if kind != "paused":
+            raise MegatronConfigError(
+                f"{step.name} finished on pipeline stage {self.stage.pp_rank} without running its last block: the "
+                f"forward must run the blocks of {self.stage.stack_path} in order."
+            )
+        self._paused[microbatch] = paused
+        return value
 
 
 _STEP_HOOKS = ("begin_step", "prepare_microbatch", "forward_context", "on_forward", "on_backward", "end_step")
@@ -271,16 +327,3 @@ def _eval_microbatches(batch: Any, wanted: int) -> int:
     sizes = [x.shape[0] for x in flatten_batch(batch)[0] if isinstance(x, torch.Tensor) and x.dim() > 0]
     size = sizes[0] if sizes else 1
     return max(d for d in range(1, min(wanted, size) + 1) if size % d == 0)
-
-
-def _summarize(outputs: list, step_name: str) -> Any:
-    """The step's return value for Lightning, computed on the last stage."""
-    if step_name == "predict_step":
-        if outputs and all(isinstance(o, torch.Tensor) for o in outputs):
-            return torch.cat([o.detach().cpu() for o in outputs])
-        return outputs
-    losses = [_as_loss(o, step_name) if step_name == "training_step" else o for o in outputs]
-    tensors = [loss for loss in losses if isinstance(loss, torch.Tensor)]
-    if not tensors:
-        return None
-    return torch.stack([t.detach().float().cpu().mean() for t in tensors]).mean()

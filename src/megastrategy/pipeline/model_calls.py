@@ -1,0 +1,128 @@
+"""The user's top-level model calls under pipeline parallelism: record them on the last stage,
+answer them from the relayed record elsewhere.
+
+A pipeline stage ends the user's forward at the stage cut (:class:`~.stage.StageBoundary`), so on
+every stage but the last the lines of the user's step after the model call cannot run while the
+schedule runs. :class:`ModelCalls` wraps ``forward`` of the modules through which a step reaches the
+layer stack (the LightningModule and the stack's ancestors) and of the modules registered after the
+stack. The outermost such call made by a step is a *model call*; the step runner sets the mode:
+
+* ``pass``: calls run unchanged (a stage's share of the forward, and any call outside a step);
+* ``record``: calls run and their outputs are kept (the last stage's run of a microbatch);
+* ``pause``: the call runs up to the stage cut, then the step pauses (:mod:`.suspended_step`)
+  until the last stage's outputs are relayed; the call returns them, so the rest of the user's
+  step runs with what one device computed, and its lines before the call ran once;
+* ``replay``: calls return the outputs recorded on the last stage, in call order, computing nothing.
+"""
+from __future__ import annotations
+
+import functools
+import threading
+from contextlib import contextmanager
+from typing import Any, Callable, Iterator, Sequence
+
+from torch import nn
+
+from megastrategy.errors import MegatronConfigError
+from megastrategy.pipeline.stage import StageBoundary
+
+__all__ = ["ModelCalls"]
+
+
+class _CallThrough:
+    """A module's ``forward`` routed through :class:`ModelCalls` (a class, not a closure, so that
+    deep copies rebind it); it keeps the forward's name and signature for code that inspects them."""
+
+    def __init__(self, calls: "ModelCalls", forward: Any, name: str) -> None:
+        self.calls, self.forward, self.name = calls, forward, name
+        functools.update_wrapper(self, forward)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.calls.call(self, args, kwargs)
+
+
+class ModelCalls:
+    """Routes the outermost calls of ``modules`` (see the module docstring). The mode is per
+    thread: a paused step (:mod:`.suspended_step`) keeps its own while the schedule goes on."""
+
+    def __init__(self, modules: Sequence[tuple[str, nn.Module]]) -> None:
+        self._local = threading.local()
+        for name, module in modules:
+            current = module.__dict__.get("forward")
+            if isinstance(current, _CallThrough):  # a runner built again for the same stage
+                current.calls = self
+            else:
+                module.forward = _CallThrough(self, module.forward, name or type(module).__name__)
+
+    def _state(self) -> Any:
+        state = self._local
+        if not hasattr(state, "mode"):
+            state.depth, state.mode, state.record, state.replay, state.pause = 0, "pass", [], [], None
+        return state
+
+    @contextmanager
+    def recording(self) -> Iterator[list]:
+        """Run calls and collect the outputs of the outermost ones into the yielded list."""
+        state = self._state()
+        state.mode, state.record = "record", []
+        try:
+            yield state.record
+        finally:
+            state.mode = "pass"
+
+    @contextmanager
+    def replaying(self, outputs: list, step_name: str) -> Iterator[None]:
+        """Answer the outermost calls with ``outputs`` in order; every one must be used."""
+        state = self._state()
+        state.mode, state.replay = "replay", list(outputs)
+        try:
+            yield
+            self._check_used(state, step_name)
+        finally:
+            state.mode, state.replay = "pass", []
+
+    @contextmanager
+    def pausing(self, pause: Callable[[Any], list], step_name: str) -> Iterator[None]:
+        """Run the first outermost call up to the stage cut, then ``pause(activation)`` until the
+        relayed outputs arrive: the first answers that call, the rest answer later calls."""
+        state = self._state()
+        state.mode, state.pause, state.replay = "pause", pause, []
+        try:
+            yield
+            if state.mode == "replay":
+                self._check_used(state, step_name)
+        finally:
+            state.mode, state.pause, state.replay = "pass", None, []
+
+    @staticmethod
+    def _check_used(state: Any, step_name: str) -> None:
+        if state.replay:
+            raise MegatronConfigError(
+                f"{step_name} made fewer model calls on this pipeline stage than on the last stage "
+                f"({len(state.replay)} left unused); the step must call the model the same way on every rank."
+            )
+
+    def call(self, through: _CallThrough, args: tuple, kwargs: dict) -> Any:
+        state = self._state()
+        outermost = state.depth == 0
+        if outermost and state.mode == "replay":
+            if not state.replay:
+                raise MegatronConfigError(
+                    f"{through.name} was called more often in this step than on the last pipeline stage; "
+                    "the step must call the model the same way on every rank."
+                )
+            return state.replay.pop(0)
+        state.depth += 1
+        try:
+            out = through.forward(*args, **kwargs)
+        except StageBoundary as boundary:
+            if not (outermost and state.mode == "pause"):
+                raise
+            relayed = state.pause(boundary.output)
+            state.mode, state.replay = "replay", list(relayed[1:])
+            return relayed[0]
+        finally:
+            state.depth -= 1
+        if outermost and state.mode == "record":
+            state.record.append(out)
+        return out

@@ -1,0 +1,65 @@
+"""Join the per-microbatch return values of a user's step into what one device returns for the batch.
+
+Under pipeline parallelism the user's step runs once per microbatch (on every stage, see
+:mod:`.model_calls`). Lightning must get one value for the batch: the training loss for the closure
+and ``on_train_batch_end(outputs)``, the ``validation_step``/``predict_step`` output for
+``on_validation_batch_end(outputs)`` and the prediction list. Microbatches have equal sizes, so
+per leaf of the output (a tensor, dict, tuple, Hugging Face ``ModelOutput``):
+
+* a tensor with a batch dimension (predictions, logits, labels) is concatenated along dim 0;
+* a 0-dim floating tensor or a float (a loss, a mean) is averaged; a 0-dim integer tensor or an
+  int (a count) is summed;
+* any other value (a string, a flag) is kept when every microbatch gave the same, else the list
+  of per-microbatch values is returned in its place.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from megastrategy.batch_tree import flatten_batch, unflatten_batch
+from megastrategy.errors import MegatronConfigError
+
+__all__ = ["join_step_outputs"]
+
+
+def join_step_outputs(outputs: list, step_name: str) -> Any:
+    """The whole batch's step output (detached) from ``outputs``, one per microbatch in order."""
+    if all(o is None for o in outputs):
+        return None
+    flat = [flatten_batch(o) for o in outputs]
+    spec = flat[0][1]
+    if any(o is None for o in outputs) or any(s != spec for _, s in flat):
+        raise MegatronConfigError(
+            f"{step_name} returned differently structured values for the microbatches of one batch "
+            f"({[type(o).__name__ for o in outputs]}); under pipeline parallelism they are joined into the "
+            "batch's value, so return the same structure (e.g. always the loss, or always a dict with the same keys)."
+        )
+    columns = zip(*(leaves for leaves, _ in flat))
+    return unflatten_batch([_join_leaf(list(values)) for values in columns], spec)
+
+
+def _join_leaf(values: list) -> Any:
+    first = values[0]
+    if isinstance(first, Tensor):
+        tensors = [v.detach() for v in values]
+        if len(tensors) == 1:
+            return tensors[0]
+        if first.dim() > 0:
+            return torch.cat(tensors)
+        stacked = torch.stack(tensors)
+        return stacked.mean(0) if stacked.is_floating_point() else stacked.sum(0)
+    if isinstance(first, bool) or not isinstance(first, (int, float)):
+        return first if all(_equal(v, first) for v in values) else values
+    if isinstance(first, float):
+        return sum(values) / len(values)
+    return sum(values)
+
+
+def _equal(a: Any, b: Any) -> bool:
+    try:
+        return bool(a == b)
+    except Exception:  # noqa: BLE001 - values without a plain equality count as different
+        return False

@@ -1,0 +1,64 @@
+"""The outermost model call of a step is recorded on the last stage and answered from the record
+elsewhere; inner calls and calls outside a step run unchanged."""
+import pytest
+import torch
+from torch import nn
+
+from megastrategy.errors import MegatronConfigError
+from megastrategy.pipeline.model_calls import ModelCalls
+
+
+class Counting(nn.Module):
+    def __init__(self, inner=None):
+        super().__init__()
+        self.inner, self.calls = inner, 0
+
+    def forward(self, x):
+        self.calls += 1
+        return self.inner(x) + 1 if self.inner is not None else x * 2
+
+
+def _model():
+    inner = Counting()
+    return Counting(inner), inner
+
+
+def test_the_outermost_call_is_recorded_and_replayed_without_computing():
+    outer, inner = _model()
+    calls = ModelCalls([("", outer), ("inner", inner)])
+    with calls.recording() as recorded:
+        out = outer(torch.ones(2))
+    assert len(recorded) == 1 and recorded[0] is out and (outer.calls, inner.calls) == (1, 1)  # inner: not outermost
+    with torch.no_grad(), calls.replaying([torch.full((2,), 7.0)], "validation_step"):
+        assert outer(torch.zeros(2)).tolist() == [7.0, 7.0]
+    assert (outer.calls, inner.calls) == (1, 1)  # nothing computed
+    assert outer(torch.ones(2)).tolist() == [3.0, 3.0]  # outside a step: the model itself
+
+
+def test_a_step_calling_the_model_differently_than_on_the_last_stage_is_refused():
+    outer, inner = _model()
+    calls = ModelCalls([("model", outer)])
+    with pytest.raises(MegatronConfigError, match="model was called more often"):
+        with calls.replaying([torch.ones(1)], "training_step"):
+            outer(torch.ones(1))
+            outer(torch.ones(1))
+    with pytest.raises(MegatronConfigError, match="made fewer model calls"):
+        with calls.replaying([torch.ones(1)], "training_step"):
+            pass
+
+
+def test_a_runner_built_again_takes_over_the_wrapped_forward():
+    outer, _ = _model()
+    ModelCalls([("model", outer)])
+    second = ModelCalls([("model", outer)])
+    with second.recording() as recorded:
+        outer(torch.ones(1))
+    assert len(recorded) == 1
+
+
+def test_the_wrapped_forward_keeps_its_signature():
+    import inspect
+
+    outer, _ = _model()
+    ModelCalls([("model", outer)])
+    assert list(inspect.signature(outer.forward).parameters) == ["x"]

@@ -29,8 +29,8 @@ def _status(field: str) -> int:
 def _sample(tmp_root: Path) -> dict:
     return {"rss_mb": _status("VmRSS") / 1024, "fds": len(os.listdir("/proc/self/fd")), "threads": _status("Threads"),
             "py_threads": threading.active_count(),
-            "tmp_files": sum(1 for _ in Path(tempfile.gettempdir()).glob("megastrategy*")),
-            "ckpt_files": sum(1 for _ in tmp_root.rglob("*"))}
+            "tmp_files": sum(1 for _ in Path(tempfile.gettempdir()).rglob("*")),  # the job's own TMPDIR
+            "checkpoints": sum(1 for _ in tmp_root.glob("*.ckpt"))}
 
 
 def worker(args: argparse.Namespace) -> None:
@@ -98,6 +98,8 @@ def main() -> None:
     if args.worker:
         return worker(args)
     with tempfile.TemporaryDirectory(prefix="soak-") as tmp:
+        os.environ["TMPDIR"] = str(Path(tmp) / "tmpdir")  # the ranks' temporary files, counted alone
+        (Path(tmp) / "tmpdir").mkdir()
         common.launch_script(Path(__file__), 4, ["--worker", "--out", tmp, "--steps", str(args.steps)], timeout=3600)
         ranks = [json.loads((Path(tmp) / f"rank{r}.json").read_text()) for r in range(4)]
     first, last = str(CHECKPOINTS[0]), str(args.steps)

@@ -49,6 +49,7 @@ class ModelParallelPrecision:
     _megatron_clip_value: Optional[Clip] = None
     _megatron_overflow_group: Optional[dist.ProcessGroup] = None
     _megatron_grads_visible: Callable[[], ContextManager] = nullcontext
+    _megatron_finalize: Callable[[], None] = staticmethod(lambda: None)
 
     def post_backward(self, tensor: Any, module: Any) -> Any:
         # Lightning calls on_after_backward from here: let it read the gradients as p.grad.
@@ -56,9 +57,11 @@ class ModelParallelPrecision:
             return super().post_backward(tensor, module)
 
     def clip_grad_by_norm(self, optimizer: Any, clip_val: float) -> None:
+        self._megatron_finalize()  # manual optimization clips before opt.step(): reduce first
         self._megatron_clip_norm(optimizer, clip_val)
 
     def clip_grad_by_value(self, optimizer: Any, clip_val: float) -> None:
+        self._megatron_finalize()
         self._megatron_clip_value(optimizer, clip_val)
 
     def _after_closure(self, model: Any, optimizer: Any) -> None:
@@ -78,11 +81,15 @@ def _model_parallel_class(base: type) -> type:
 
 def adopt_precision_plugin(plugin: Any, *, clip_norm: Optional[Clip], clip_value: Optional[Clip],
                            overflow_group: Optional[dist.ProcessGroup] = None,
-                           grads_visible: Optional[Callable[[], ContextManager]] = None) -> Any:
+                           grads_visible: Optional[Callable[[], ContextManager]] = None,
+                           finalize: Optional[Callable[[], None]] = None) -> Any:
     """Give ``plugin`` the model-parallel subclass of its own class; returns it (same object).
-    ``grads_visible()`` is entered around the ``on_after_backward`` hooks."""
+    ``grads_visible()`` is entered around the ``on_after_backward`` hooks; ``finalize()`` reduces
+    the step's gradients (once) before clipping."""
     plugin.__class__ = _model_parallel_class(type(plugin))
     plugin._megatron_clip_norm, plugin._megatron_clip_value = clip_norm, clip_value
     plugin._megatron_grads_visible = grads_visible or nullcontext
     plugin._megatron_overflow_group = overflow_group
+    if finalize is not None:
+        plugin._megatron_finalize = finalize
     return plugin

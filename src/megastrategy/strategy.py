@@ -66,6 +66,7 @@ class MegatronStrategy(LightningStepMethods, CheckpointMethods, ReplicaCollectiv
         self._ctx: Optional[SetupContext] = None
         self._runner: Optional[StepRunner] = None
         self._model_validated = False
+        self._grads_finalized = False  # reduced for this optimizer step (manual clipping may come first)
 
     def build_components(self, c: MegatronConfig) -> list[Component]:
         """Every feature, in the order its hooks run (teardown in reverse); disabled ones drop out."""
@@ -158,7 +159,8 @@ class MegatronStrategy(LightningStepMethods, CheckpointMethods, ReplicaCollectiv
             self._setup_gradients(trainer, module)
         self.setup_precision_plugin()
         adopt_precision_plugin(self.precision_plugin, clip_norm=self.grad_buffers.clip_grad_norm,
-                               clip_value=self.grad_buffers.clip_grad_value, grads_visible=self.grad_buffers.grads_visible)
+                               clip_value=self.grad_buffers.clip_grad_value, grads_visible=self.grad_buffers.grads_visible,
+                               finalize=self._finalize_grads)
         if trainer.state.fn == TrainerFn.FITTING:
             _optimizers_to_device(self.optimizers, self.root_device)
 
@@ -210,14 +212,20 @@ class MegatronStrategy(LightningStepMethods, CheckpointMethods, ReplicaCollectiv
                 self.components.last_microbatch(stack, self._runner.num_microbatches)
                 result = closure()
             self._doing(f"gradient reduction and optimizer step {self.lightning_module.trainer.global_step}")
-            if any(b.has_grads for b in self._ctx.grad_buffers):
-                self.components.finalize_grads()  # every rank skips together when one component says so
+            self._finalize_grads()
             return result
 
         try:
             return super().optimizer_step(optimizer, closure_then_finalize, model, **kwargs)
         finally:
             self.components.each("zero_grads")
+            self._grads_finalized = False
+
+    def _finalize_grads(self) -> None:
+        """Once per optimizer step: from the step's closure, or earlier from a manual ``clip_gradients``."""
+        if not self._grads_finalized and any(b.has_grads for b in self._ctx.grad_buffers):
+            self.components.finalize_grads()  # every rank skips together when one component says so
+        self._grads_finalized = True
 
     # ------------------------------------------------------------------ end
     def on_exception(self, exception: BaseException) -> None:

@@ -106,6 +106,25 @@ class BertSummedLoss(BertClassifier):
         return torch.nn.functional.cross_entropy(logits, batch["labels"], reduction="sum")
 
 
+class BertManualOptimization(BertClassifier):
+    """Manual optimization as Lightning documents it: ``manual_backward``, ``opt.step()``,
+    ``opt.zero_grad()``, with gradient clipping through ``self.clip_gradients``."""
+
+    def __init__(self, **kw):
+        super().__init__(**kw)
+        self.automatic_optimization = False
+
+    def training_step(self, batch, batch_idx):
+        opt = self.optimizers()
+        loss = self.compute_loss(batch)
+        self.manual_backward(loss)
+        self.clip_gradients(opt, gradient_clip_val=0.5, gradient_clip_algorithm="norm")
+        opt.step()
+        opt.zero_grad()
+        self.log("train_loss", loss)
+        return loss
+
+
 class Block(nn.Module):
     def __init__(self, d: int, n_head: int):
         super().__init__()
@@ -250,5 +269,5 @@ class LlamaLM(BaseModule):
 
 from tests.helpers import moe_models  # noqa: E402  (after BaseModule, which it subclasses)
 
-MODELS = {"bert": BertClassifier, "gpt": GPT, "llama": LlamaLM, "encoder": EncoderClassifier, "bert-metrics": BertWithMetrics,
+MODELS = {"bert": BertClassifier, "bert-manual": BertManualOptimization, "gpt": GPT, "llama": LlamaLM, "encoder": EncoderClassifier, "bert-metrics": BertWithMetrics,
           "moe-gpt": lambda **kw: moe_models.MoEGPT(**kw)}

@@ -34,7 +34,7 @@ from megastrategy.pipeline.output_relay import OutputRelay
 from megastrategy.pipeline.schedules import forward_only_steps, schedule_steps
 from megastrategy.pipeline.stage import PipelineStage, StageBoundary, iter_microbatches
 from megastrategy.pipeline.step_output import join_step_outputs
-from megastrategy.pipeline.suspended_step import SuspendedStep
+from megastrategy.pipeline.suspended_step import StepThreads, SuspendedStep
 
 __all__ = ["StepRunner"]
 
@@ -61,6 +61,7 @@ class StepRunner:
         self.calls = ModelCalls(stage.call_modules) if stage is not None else None
         self._recorded: dict[int, list] = {}  # microbatch -> its model calls' outputs (last stage)
         self._paused: dict[int, SuspendedStep] = {}  # microbatch -> its step, paused at the model call
+        self._step_threads = StepThreads()  # reused: a fresh thread per microbatch runs the forward slower
         self._components = list(components)
         self._hooks = {h: [c for c in components if overrides(c, h)] for h in _STEP_HOOKS}
         self._metric_paths: Optional[dict[int, str]] = None  # id(metric) -> attribute path
@@ -257,7 +258,7 @@ class StepRunner:
         def body(paused: SuspendedStep) -> Any:
             return run_user_step(microbatch, keep_logs=True, pause=paused.pause)
 
-        paused = SuspendedStep(body)
+        paused = SuspendedStep(body, self._step_threads)
         kind, value = paused.start()
         if kind != "paused":
             raise MegatronConfigError(

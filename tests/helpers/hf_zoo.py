@@ -25,6 +25,10 @@ DECLARED_DECODERS = (
 )
 #: decoders that declare no plan, sharded by the built-in Llama-family rules
 BUILTIN_DECODERS = ("stablelm",)
+#: decoders with neither: sharded by structural detection (traced data flow). Falcon in its
+#: grouped-query layout (packed [kv groups, q per group + k + v, head_dim]); Persimmon with its
+#: packed per-head [heads, q|k|v, head_dim] projection and per-head q/k LayerNorms
+STRUCTURAL_DECODERS = ("falcon", "persimmon")
 #: a declared plan the strategy refuses in setup: transformers' Apertus plan shards the MLP around
 #: xIELU, whose learnable alpha_p/alpha_n would get partial gradients
 REFUSED_DECLARED = ("apertus",)
@@ -41,11 +45,16 @@ _EXTRA = {
     "gpt_neox": dict(use_parallel_residual=True, rotary_pct=0.5, hidden_dropout=0.0, attention_dropout=0.0),
     "phi": dict(partial_rotary_factor=0.5, resid_pdrop=0.0, embd_pdrop=0.0),
     "seed_oss": dict(residual_dropout=0.0, attention_dropout=0.0),
+    "falcon": dict(new_decoder_architecture=True, num_attention_heads=8, num_kv_heads=2, alibi=False,
+                   hidden_dropout=0.0, attention_dropout=0.0),
+    "persimmon": dict(qk_layernorm=True, hidden_dropout=0.0, attention_dropout=0.0),
 }
 
 
 def tiny_config(arch: str, **overrides):
     base = _ENCODER if arch in ENCODERS else _DECODER
+    if arch == "falcon":  # head_dim is a read-only property of FalconConfig
+        base = {k: v for k, v in base.items() if k != "head_dim"}
     return AutoConfig.for_model(arch, **dict(base, **_EXTRA.get(arch, {}), **overrides))
 
 

@@ -42,6 +42,8 @@ def load_model(target: str, task: str = "lm") -> nn.Module:
 def describe_source(source: str) -> str:
     if source.startswith("declared:"):
         return f"declared by transformers ({source.split(':', 1)[1]})"
+    if source.startswith("structural:"):
+        return f"structural ({source.split(':', 1)[1]}: traced data flow)"
     if source.startswith("auto:"):
         return f"built-in ({source.split(':', 1)[1]})"
     if source.startswith("tp_plan["):

@@ -55,7 +55,7 @@ def tiny_config(arch: str, **overrides):
     base = _ENCODER if arch in ENCODERS else _DECODER
     if arch == "falcon":  # head_dim is a read-only property of FalconConfig
         base = {k: v for k, v in base.items() if k != "head_dim"}
-    return AutoConfig.for_model(arch, **dict(base, **_EXTRA.get(arch, {}), **overrides))
+    return AutoConfig.for_model(arch, **{**base, **_EXTRA.get(arch, {}), **overrides})
 
 
 def tiny_model(arch: str, task: str = "lm", seed: int = 0, **overrides):

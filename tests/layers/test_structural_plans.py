@@ -76,6 +76,16 @@ def test_plan_report_names_the_structural_source():
     assert "structural (persimmon: traced data flow)" in report
 
 
+def test_megastrategy_plan_traces_a_meta_device_model():
+    from megastrategy.layers.plan_report import report_for
+
+    report = report_for("persimmon", 2)  # Persimmon-8B's default config, never materialized
+    assert "model.layers.*.self_attn.query_key_value  column" in report
+    assert "model.layers.*.self_attn.q_layernorm      grad_sum" in report and "(50.0%)" in report
+    with pytest.raises(MegatronConfigError, match="Falcon|query_key_value"):  # default: multi-query
+        report_for("falcon", 2)
+
+
 def _verify(rank, world):
     from tests.layers.test_block_check import _shard_and_verify
 

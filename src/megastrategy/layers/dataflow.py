@@ -23,6 +23,11 @@ from torch.utils._pytree import tree_leaves
 
 __all__ = ["FirstUse", "DataFlow", "trace_dataflow"]
 
+#: a boolean read of a meta tensor (``megastrategy plan`` builds models on the meta device) has no
+#: value; the mask code asks "is every token unpadded?", which for random ids without padding is
+#: True. Any other data-dependent read on meta still raises (and nothing is detected)
+_READS = (torch.Tensor.item, torch.Tensor.__bool__)
+
 
 @dataclass(frozen=True)
 class FirstUse:
@@ -69,6 +74,8 @@ class _TagMode(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if func in _READS and args and args[0].is_meta and args[0].dtype == torch.bool:
+            return True  # see _READS
         result = func(*args, **kwargs)
         tag = self.tag_of((args, kwargs))
         if tag:

@@ -36,6 +36,20 @@ def test_persimmon_per_head_norms_sum_their_gradients():
     assert got[f"{attn}.dense"][0] == "row"
 
 
+def test_bart_cross_attention_takes_q_from_the_decoder_and_k_v_from_the_encoder():
+    plan = resolve_tp_plan(tiny_model("bart"), None, 2)
+    got = _sharded(plan)
+    cross = "model.decoder.layers.1.encoder_attn"
+    assert {got[f"{cross}.{p}"][0] for p in ("q_proj", "k_proj", "v_proj")} == {"column"}
+    assert got[f"{cross}.out_proj"] == ("row", 1, "structural:bart")
+    assert got["model.encoder.layers.0.fc1"][0] == "column" and got["model.encoder.layers.0.fc2"][0] == "row"
+    # one embedding shared by encoder, decoder and the tied head, scaled by its own forward: whole
+    replicated = {e.name for e in plan.entries if e.style == "replicate"}
+    assert {"model.shared", "model.encoder.embed_tokens", "model.decoder.embed_tokens", "lm_head"} <= replicated
+    fixups = {(f.module, f.attr): (f.old, f.new) for f in plan.fixups}
+    assert fixups[(cross, "num_heads")] == (4, 2)
+
+
 def test_equal_chunk_split_is_read_as_packed_chunks():
     from megastrategy.layers.dataflow import FirstUse
     from megastrategy.layers.structural_plans import _packing
@@ -90,7 +104,8 @@ def _verify(rank, world):
     from tests.layers.test_block_check import _shard_and_verify
 
     out = {}
-    for name, overrides in {"falcon": {}, "persimmon": {}, "falcon_alibi": dict(alibi=True)}.items():
+    cases = {"falcon": {}, "persimmon": {}, "bart": {}, "falcon_alibi": dict(alibi=True), "t5": {}}
+    for name, overrides in cases.items():
         try:
             out[name] = ("ok", _shard_and_verify(tiny_model(name.split("_")[0], **overrides), None, rank))
         except MegatronConfigError as e:
@@ -110,3 +125,9 @@ def test_structural_blocks_are_verified_and_a_wrong_reading_is_refused_tp2():
     status, msg = res["falcon_alibi"]
     assert status == "refused" and "'transformer.h.0.self_attention'" in msg and "structural:falcon" in msg
     assert "its forward raised RuntimeError" in msg
+    assert res["bart"][0] == "ok"
+    assert "model.decoder.layers.0.encoder_attn" in res["bart"][1][0]
+    # T5: the relative position bias is one Embedding [buckets, heads] in layer 0 whose output
+    # every later layer receives with all heads; detection shards q/k/v/o by heads, the bias not
+    status, msg = res["t5"]
+    assert status == "refused" and "'encoder.block.0.layer.0.SelfAttention'" in msg and "structural:t5" in msg

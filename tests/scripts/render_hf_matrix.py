@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 import sys
 
-_TASKS = {"lm": "ForCausalLM", "mlm": "ForMaskedLM", "cls": "ForSequenceClassification"}
+_TASKS = {"lm": "ForCausalLM", "mlm": "ForMaskedLM", "cls": "ForSequenceClassification", "s2s": "ForSeq2SeqLM"}
 
 
 def _row(model: str, ref: dict, got: dict) -> str:

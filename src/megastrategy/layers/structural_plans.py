@@ -3,8 +3,8 @@ declares none and has no built-in rules (Falcon, Persimmon, ...).
 
 The model runs once on random ids while :mod:`megastrategy.layers.dataflow` records which
 linear layer's output reaches which linear layer's input. A linear layer ``out`` whose input
-comes only from sibling linear layers fed the very same tensor, none of whose outputs goes
-anywhere else, closes a Megatron region: the siblings are ``column``, ``out`` is ``row``.
+comes only from sibling linear layers fed at most two tensors (the hidden states; in
+cross-attention the query's and the memory's), none of whose outputs goes anywhere else, closes a Megatron region: the siblings are ``column``, ``out`` is ``row``.
 
 * If the parent counts heads (an ``int`` attribute in :data:`HEAD_ATTRS`) it is an
   **attention** block: the head counts are divided by ``tp`` (and must be divisible). One packed
@@ -93,7 +93,7 @@ class _Detector:
             return None
         if any(parent_name(s) != parent for s in sources):
             return None
-        if len({self.flow.input_id.get(s) for s in sources}) != 1:
+        if len({self.flow.input_id.get(s) for s in sources}) > 2:  # one input, or a query and a memory
             return None
         leaks = [n for n, src in self.flow.sources.items() if n != out and src & sources and not n.startswith(parent + ".")]
         others = [n for n in self.linears if n != out and self.flow.sources.get(n, frozenset()) & sources]
@@ -143,13 +143,20 @@ class _Detector:
         )
 
     def vocab(self) -> None:
-        """Input embedding and output head, once some block was detected."""
+        """Input embedding and output head, once some block was detected. An embedding whose
+        weight another embedding shares (an encoder-decoder's ``shared``), or whose class has its
+        own ``forward`` (a scaled embedding), stays whole, and so does a head tied to it."""
         names = {id(m): n for n, m in self.modules.items() if self.full(n) not in self.covered}
         emb, head = self.root.get_input_embeddings(), self.root.get_output_embeddings()
-        if isinstance(emb, nn.Embedding) and id(emb) in names:
+        emb_ok = type(emb) is nn.Embedding and id(emb) in names and not self._shared_with_embeddings(emb)
+        if emb_ok:
             self.units.append(BuiltinUnit(self.arch, "embedding", self.root_name, [(self.full(names[id(emb)]), "vocab", {})], origin="structural"))
-        if isinstance(head, nn.Linear) and id(head) in names:
+        tied = emb is not None and head is not None and getattr(head, "weight", None) is getattr(emb, "weight", None)
+        if isinstance(head, nn.Linear) and id(head) in names and (emb_ok or not tied):
             self.units.append(BuiltinUnit(self.arch, "lm_head", self.root_name, [(self.full(names[id(head)]), "vocab", {})], origin="structural"))
+
+    def _shared_with_embeddings(self, emb: nn.Embedding) -> bool:
+        return any(isinstance(m, nn.Embedding) and m is not emb and m.weight is emb.weight for m in self.modules.values())
 
 
 def _watched(root: nn.Module) -> tuple[dict[str, nn.Module], set[str]]:

@@ -17,8 +17,8 @@ import pytest
 
 from tests.helpers.hf_zoo import BUILTIN_DECODERS, DECLARED_DECODERS, ENCODERS, STRUCTURAL_DECODERS
 
-#: encoder-decoders sharded by structural detection (T5 is refused in setup: see test_structural_plans.py)
-STRUCTURAL_SEQ2SEQ = ("bart",)
+#: encoder-decoders sharded by structural detection
+STRUCTURAL_SEQ2SEQ = ("bart", "t5")
 from tests.helpers.launch import run_script
 
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "hf_matrix.py"

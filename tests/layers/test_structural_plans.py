@@ -50,6 +50,17 @@ def test_bart_cross_attention_takes_q_from_the_decoder_and_k_v_from_the_encoder(
     assert fixups[(cross, "num_heads")] == (4, 2)
 
 
+def test_t5_relative_position_bias_follows_the_heads():
+    got = _sharded(resolve_tp_plan(tiny_model("t5"), None, 2))
+    attn = "encoder.block.0.layer.0.SelfAttention"
+    assert {got[f"{attn}.{p}"][0] for p in "qkv"} == {"column"} and got[f"{attn}.o"][0] == "row"
+    assert got[f"{attn}.relative_attention_bias"][0] == "head_table"
+    assert got[attn][0] == got["decoder.block.1.layer.1.EncDecAttention"][0] == "head_bias_input"
+    gated = _sharded(resolve_tp_plan(tiny_model("t5", feed_forward_proj="gated-gelu"), None, 2))
+    ffn = "decoder.block.1.layer.2.DenseReluDense"
+    assert gated[f"{ffn}.wi_0"][0] == gated[f"{ffn}.wi_1"][0] == "column" and gated[f"{ffn}.wo"][0] == "row"
+
+
 def test_equal_chunk_split_is_read_as_packed_chunks():
     from megastrategy.layers.dataflow import FirstUse
     from megastrategy.layers.structural_plans import _packing
@@ -104,7 +115,8 @@ def _verify(rank, world):
     from tests.layers.test_block_check import _shard_and_verify
 
     out = {}
-    cases = {"falcon": {}, "persimmon": {}, "bart": {}, "falcon_alibi": dict(alibi=True), "t5": {}}
+    cases = {"falcon": {}, "persimmon": {}, "bart": {}, "falcon_alibi": dict(alibi=True), "t5": {},
+             "t5_gated": dict(feed_forward_proj="gated-gelu")}
     for name, overrides in cases.items():
         try:
             out[name] = ("ok", _shard_and_verify(tiny_model(name.split("_")[0], **overrides), None, rank))
@@ -127,7 +139,7 @@ def test_structural_blocks_are_verified_and_a_wrong_reading_is_refused_tp2():
     assert "its forward raised RuntimeError" in msg
     assert res["bart"][0] == "ok"
     assert "model.decoder.layers.0.encoder_attn" in res["bart"][1][0]
-    # T5: the relative position bias is one Embedding [buckets, heads] in layer 0 whose output
-    # every later layer receives with all heads; detection shards q/k/v/o by heads, the bias not
-    status, msg = res["t5"]
-    assert status == "refused" and "'encoder.block.0.layer.0.SelfAttention'" in msg and "structural:t5" in msg
+    # T5: layer 0's narrowed bias table, and a later layer fed the unsharded run's full-head bias
+    assert res["t5"][0] == "ok"
+    assert {"encoder.block.0.layer.0.SelfAttention", "encoder.block.1.layer.0.SelfAttention"} <= set(res["t5"][1][0])
+    assert res["t5_gated"][0] == "ok" and "encoder.block.0.layer.1.DenseReluDense" in res["t5_gated"][1][0]

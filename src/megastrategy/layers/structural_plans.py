@@ -14,7 +14,10 @@ cross-attention the query's and the memory's), none of whose outputs goes anywhe
   into equal parts -> ``packed_chunks``. Anything else, or both readings at once, is refused.
   Parameterized layers between the projections and ``out`` (per-head q/k norms) keep their
   weights whole and sum their gradients over TP (``grad_sum``); attention dropout on the local
-  heads runs on the per-TP-rank RNG stream.
+  heads runs on the per-TP-rank RNG stream. A per-head bias table (an ``nn.Embedding`` child as
+  wide as the head count: T5's relative position bias) is ``head_table``, and an attention
+  taking a ``position_bias`` argument is ``head_bias_input`` (:mod:`megastrategy.layers.head_bias`).
+  Cross-attention (q from the decoder, k/v from the encoder output) is two inputs, one region.
 * Otherwise it is an **MLP**: up (and gate) ``column``, down ``row``.
 
 The input and output embeddings become ``vocab``. Every detected block is verified in setup
@@ -23,6 +26,7 @@ refuses to train rather than train wrong. Pure: nothing is modified.
 """
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 from torch import nn
@@ -134,6 +138,7 @@ class _Detector:
         members += [(self.full(n), "grad_sum", {}) for n in self.inside(owner, sources, nn.Module)
                     if any(True for _ in self.modules[n].parameters(recurse=False))]
         members.append((self.full(out), "row", {}))
+        members += self._head_bias(owner, heads)
         dropouts = self.inside(owner, sources, nn.Dropout)
         rng = (self.full(out), f"{dropouts[0][len(owner) + 1:]}.p") if dropouts else None
         return BuiltinUnit(
@@ -141,6 +146,18 @@ class _Detector:
             checks=[SizeCheck(self.full(owner), a, v, "attention heads") for a, v in heads.items()],
             rng_region=rng, origin="structural",
         )
+
+    def _head_bias(self, owner: str, heads: dict[str, int]) -> list[tuple[str, str, dict[str, Any]]]:
+        """T5's relative position bias: a per-head table (an Embedding whose width is the head
+        count) and a ``position_bias`` argument that carries one bias per head."""
+        module = self.modules[owner]
+        tables = [(n, m.embedding_dim) for n, m in module.named_children()
+                  if type(m) is nn.Embedding and m.embedding_dim in heads.values()]
+        members = [(self.full(join_name(owner, n)), "head_table", {"heads": h}) for n, h in tables]
+        if "position_bias" in inspect.signature(module.forward).parameters:
+            h = tables[0][1] if tables else max(heads.values())
+            members.append((self.full(owner), "head_bias_input", {"heads": h, "bias_kwarg": "position_bias"}))
+        return members
 
     def vocab(self) -> None:
         """Input embedding and output head, once some block was detected. An embedding whose

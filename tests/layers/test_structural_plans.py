@@ -109,6 +109,9 @@ def test_megastrategy_plan_traces_a_meta_device_model():
     assert "model.layers.*.self_attn.q_layernorm      grad_sum" in report and "(50.0%)" in report
     with pytest.raises(MegatronConfigError, match="Falcon|query_key_value"):  # default: multi-query
         report_for("falcon", 2)
+    t5 = report_for("t5", 2, task="s2s")  # t5-small's default config, an encoder-decoder
+    assert "encoder.block.*.layer.*.SelfAttention.relative_attention_bias  head_table" in t5
+    assert "decoder.block.*.layer.*.EncDecAttention.q" in t5 and "replicated (whole on every rank): shared," in t5
 
 
 def _verify(rank, world):

@@ -23,7 +23,12 @@ from megastrategy.layers.shard_spec import padded_size_for
 
 __all__ = ["load_model", "describe_source", "parameters_per_rank", "plan_report", "report_for"]
 
-_TASKS = {"lm": "AutoModelForCausalLM", "mlm": "AutoModelForMaskedLM", "cls": "AutoModelForSequenceClassification"}
+_TASKS = {
+    "lm": "AutoModelForCausalLM",
+    "mlm": "AutoModelForMaskedLM",
+    "cls": "AutoModelForSequenceClassification",
+    "s2s": "AutoModelForSeq2SeqLM",
+}
 
 
 def load_model(target: str, task: str = "lm") -> nn.Module:

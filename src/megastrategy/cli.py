@@ -154,7 +154,7 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("model", help="pkg.module:Class (built with no arguments) or a Hugging Face model type, e.g. llama")
     t.add_argument("--tp", type=int, default=2)
     t.add_argument("--ep", type=int, default=1, help="expert parallelism: Hugging Face fused experts split over ep")
-    t.add_argument("--task", choices=["lm", "mlm", "cls"], default="lm", help="for a model type: the Auto class")
+    t.add_argument("--task", choices=["lm", "mlm", "cls", "s2s"], default="lm", help="for a model type: the Auto class")
     t.add_argument("--tp-plan", help="the strategy's tp_plan as JSON, e.g. '{\"*\": \"auto\"}'")
     t.set_defaults(fn=_plan)
     return p

@@ -9,7 +9,13 @@ import warnings
 
 import torch
 import transformers
-from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForMaskedLM, AutoModelForSequenceClassification
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    AutoModelForMaskedLM,
+    AutoModelForSeq2SeqLM,
+    AutoModelForSequenceClassification,
+)
 
 VOCAB = 128
 _COMMON = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
@@ -25,6 +31,21 @@ DECLARED_DECODERS = (
 )
 #: decoders that declare no plan, sharded by the built-in Llama-family rules
 BUILTIN_DECODERS = ("stablelm",)
+#: decoders with neither: sharded by structural detection (traced data flow). Falcon in its
+#: grouped-query layout (packed [kv groups, q per group + k + v, head_dim]); Persimmon with its
+#: packed per-head [heads, q|k|v, head_dim] projection and per-head q/k LayerNorms
+STRUCTURAL_DECODERS = ("falcon", "persimmon")
+#: encoder-decoders (``AutoModelForSeq2SeqLM``, labels = the input ids): hidden 32, 2+2 layers, 4 heads
+ENCODER_DECODERS = ("bart", "t5")
+_SEQ2SEQ = {
+    "bart": dict(vocab_size=VOCAB, d_model=32, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
+                 decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64, dropout=0.0, attention_dropout=0.0,
+                 activation_dropout=0.0, max_position_embeddings=64, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+                 decoder_start_token_id=2),
+    "t5": dict(vocab_size=VOCAB, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_decoder_layers=2, num_heads=4,
+               dropout_rate=0.0, relative_attention_num_buckets=8, relative_attention_max_distance=16, pad_token_id=0,
+               eos_token_id=2, decoder_start_token_id=0),
+}
 #: a declared plan the strategy refuses in setup: transformers' Apertus plan shards the MLP around
 #: xIELU, whose learnable alpha_p/alpha_n would get partial gradients
 REFUSED_DECLARED = ("apertus",)
@@ -41,16 +62,22 @@ _EXTRA = {
     "gpt_neox": dict(use_parallel_residual=True, rotary_pct=0.5, hidden_dropout=0.0, attention_dropout=0.0),
     "phi": dict(partial_rotary_factor=0.5, resid_pdrop=0.0, embd_pdrop=0.0),
     "seed_oss": dict(residual_dropout=0.0, attention_dropout=0.0),
+    "falcon": dict(new_decoder_architecture=True, num_attention_heads=8, num_kv_heads=2, alibi=False,
+                   hidden_dropout=0.0, attention_dropout=0.0),
+    "persimmon": dict(qk_layernorm=True, hidden_dropout=0.0, attention_dropout=0.0),
 }
 
 
 def tiny_config(arch: str, **overrides):
-    base = _ENCODER if arch in ENCODERS else _DECODER
-    return AutoConfig.for_model(arch, **dict(base, **_EXTRA.get(arch, {}), **overrides))
+    base = _ENCODER if arch in ENCODERS else _SEQ2SEQ.get(arch, _DECODER)
+    if arch == "falcon":  # head_dim is a read-only property of FalconConfig
+        base = {k: v for k, v in base.items() if k != "head_dim"}
+    return AutoConfig.for_model(arch, **{**base, **_EXTRA.get(arch, {}), **overrides})
 
 
 def tiny_model(arch: str, task: str = "lm", seed: int = 0, **overrides):
-    """``task``: ``lm`` (causal LM for decoders, masked LM for encoders) or ``cls`` (3 labels)."""
+    """``task``: ``lm`` (causal LM for decoders, masked LM for encoders, seq2seq LM for
+    encoder-decoders) or ``cls`` (3 labels)."""
     transformers.logging.set_verbosity_error()
     torch.manual_seed(seed)
     config = tiny_config(arch, **overrides)
@@ -60,4 +87,5 @@ def tiny_model(arch: str, task: str = "lm", seed: int = 0, **overrides):
             config.num_labels = 3
             return AutoModelForSequenceClassification.from_config(config)
         auto = AutoModelForMaskedLM if arch in ENCODERS else AutoModelForCausalLM
+        auto = AutoModelForSeq2SeqLM if arch in ENCODER_DECODERS else auto
         return auto.from_config(config)

@@ -15,14 +15,18 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers.hf_zoo import BUILTIN_DECODERS, DECLARED_DECODERS, ENCODERS
+from tests.helpers.hf_zoo import BUILTIN_DECODERS, DECLARED_DECODERS, ENCODERS, STRUCTURAL_DECODERS
+
+#: encoder-decoders sharded by structural detection
+STRUCTURAL_SEQ2SEQ = ("bart", "t5")
 from tests.helpers.launch import run_script
 
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "hf_matrix.py"
 MODELS = (
-    [f"{a}:lm" for a in DECLARED_DECODERS + BUILTIN_DECODERS]
+    [f"{a}:lm" for a in DECLARED_DECODERS + BUILTIN_DECODERS + STRUCTURAL_DECODERS]
     + [f"{a}:mlm" for a in ENCODERS]
     + ["roberta:cls", "distilbert:cls", "albert:cls", "deberta-v2:cls", "modernbert:cls", "llama:cls"]
+    + [f"{a}:s2s" for a in STRUCTURAL_SEQ2SEQ]
 )
 TOL = 2e-4
 
@@ -44,8 +48,10 @@ def test_tp2_matches_one_device_for_every_model():
         assert "error" not in got, (model, got["error"])
         assert len(got["loss"]) == len(want["loss"]) == 3
         worst[model] = max(abs(a - b) for a, b in zip(got["loss"] + [got["val_loss"]], want["loss"] + [want["val_loss"]]))
-        source = "declared:" if model.split(":")[0] in DECLARED_DECODERS else "auto:"
+        arch = model.split(":")[0]
+        structural = arch in STRUCTURAL_DECODERS + STRUCTURAL_SEQ2SEQ
+        source = "declared:" if arch in DECLARED_DECODERS else "structural:" if structural else "auto:"
         assert got["sources"] and all(s.startswith(source) for s in got["sources"]), (model, got["sources"])
     bad = {m: w for m, w in worst.items() if not w <= TOL}
     assert not bad, f"tp=2 differs from one device beyond {TOL}: {bad}"
-    assert len(worst) >= 12 + len(ENCODERS) + len(BUILTIN_DECODERS)
+    assert len(worst) >= 12 + len(ENCODERS) + len(BUILTIN_DECODERS) + len(STRUCTURAL_DECODERS) + len(STRUCTURAL_SEQ2SEQ)

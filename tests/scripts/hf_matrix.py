@@ -30,7 +30,7 @@ SEQ, BATCH, STEPS = 12, 4, 3
 
 
 class TokenBatches(torch.utils.data.Dataset):
-    """Random tokens; causal-LM labels = the tokens, masked-LM labels = 15% of them, classifier: 3 classes."""
+    """Random tokens; causal-LM and seq2seq labels = the tokens, masked-LM labels = 15% of them, classifier: 3 classes."""
 
     def __init__(self, n: int, task: str, seed: int):
         g = torch.Generator().manual_seed(seed)
@@ -130,7 +130,7 @@ def main() -> None:
     p.add_argument("--out", required=True)
     p.add_argument("--strategy", choices=["ddp", "megatron"], required=True)
     p.add_argument("--tp", type=int, default=1)
-    p.add_argument("--models", required=True, help="comma-separated arch:task, task in lm/mlm/cls")
+    p.add_argument("--models", required=True, help="comma-separated arch:task, task in lm/mlm/cls/s2s")
     args = p.parse_args()
     torch.set_num_threads(1)
     world_size, rank = int(os.environ["WORLD_SIZE"]), int(os.environ.get("RANK", "0"))

@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 import sys
 
-_TASKS = {"lm": "ForCausalLM", "mlm": "ForMaskedLM", "cls": "ForSequenceClassification"}
+_TASKS = {"lm": "ForCausalLM", "mlm": "ForMaskedLM", "cls": "ForSequenceClassification", "s2s": "ForSeq2SeqLM"}
 
 
 def _row(model: str, ref: dict, got: dict) -> str:
@@ -19,7 +19,8 @@ def _row(model: str, ref: dict, got: dict) -> str:
         reason = got["error"].split("random input: ", 1)[-1].split(". Refusing")[0]
         return f"| {name} | declared by transformers | refused in setup, block {block}: {reason[:120]} |"
     diffs = [abs(a - b) for a, b in zip(got["loss"] + [got["val_loss"]], ref["loss"] + [ref["val_loss"]])]
-    source = ", ".join(s.replace("declared:", "declared by transformers (").replace("auto:", "built-in (") + ")"
+    source = ", ".join(s.replace("declared:", "declared by transformers (").replace("auto:", "built-in (")
+                       .replace("structural:", "structural detection (") + ")"
                        for s in got["sources"])
     return f"| {name} | {source} | {max(diffs):.1e} |"
 

@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from megastrategy.layers.plan.module_names import globify
+from megastrategy.layers.random_ids_forward import SEED, forward_on_random_ids
 from megastrategy.layers.plan.resolved import PlanEntry, ResolvedPlan
 from megastrategy.layers.unit_types import is_hf_pretrained
 from megastrategy.naming import parent_name
@@ -29,9 +30,8 @@ from megastrategy.rank_zero import log_on_rank_zero
 __all__ = ["SEED", "CapturedBlock", "sharded_blocks", "capture_blocks"]
 
 #: entry styles that live inside a block (vocab layers are the project's own exact layers)
-_BLOCK_STYLES = ("column", "row", "grad_sum", "dropout", "attention")
+_BLOCK_STYLES = ("column", "row", "grad_sum", "dropout", "attention", "head_table")
 _log = logging.getLogger(__name__)
-SEED = 20240613
 #: key/value caches: a block must not see (or extend) the capture run's cache
 _CACHE_KWARGS = ("past_key_values", "past_key_value", "layer_past", "cache_params")
 
@@ -111,18 +111,8 @@ def _run_hf_model(root: nn.Module, targets: dict[str, nn.Module]) -> dict[str, t
         def grab(mod, args, kwargs, name=name):
             captured.setdefault(name, (_detached(args), _detached(kwargs)))
         handles.append(block.register_forward_pre_hook(grab, with_kwargs=True))
-    config = getattr(root, "config", None)
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    vocab = int(getattr(text, "vocab_size", 2))
-    gen = torch.Generator().manual_seed(SEED)
-    device = next(root.parameters()).device
-    ids = torch.randint(3, max(vocab, 4), (2, 8), generator=gen).to(device)
     try:
-        with torch.no_grad():
-            try:
-                root(input_ids=ids, use_cache=False)
-            except TypeError:  # a model without a cache argument
-                root(input_ids=ids)
+        forward_on_random_ids(root)
     except Exception as exc:  # noqa: BLE001 - a model needing other inputs: its blocks stay unverified
         log_on_rank_zero(_log, logging.WARNING, (
             f"megastrategy: the sharded blocks {', '.join(sorted(targets))} are not verified against their "

@@ -46,7 +46,8 @@ classifiers, the MLM transform) are small and stay replicated.
 
 Sources, most trusted first: a Hugging Face model's own declared plan
 (:mod:`megastrategy.layers.hf_declared`) is used for everything inside that model; the class
-rules here apply elsewhere. This module is pure: it reads modules and never changes them.
+rules here apply elsewhere; in a Hugging Face model that declares nothing, the layers no class
+rule names are left to structural detection (:mod:`megastrategy.layers.structural_plans`). This module is pure: it reads modules and never changes them.
 """
 from __future__ import annotations
 
@@ -56,6 +57,7 @@ from torch import nn
 
 from megastrategy.layers.encoder_plans import encoder_units
 from megastrategy.layers.hf_declared import declared_plan
+from megastrategy.layers.structural_plans import structural_units
 from megastrategy.layers.unit_types import (
     HEAD_ATTRS,
     BuiltinDetection,
@@ -222,6 +224,12 @@ def detect_builtin_plan(module: nn.Module) -> BuiltinDetection:
             continue
         for detector in _DETECTORS:
             units.extend(detector(name, m))
+    refused = list(declared.refused)
+    for name, m in _undeclared_hf_models(module, declared.roots):
+        covered = {member for u in units for member, _, _ in u.members}
+        found, refusals = structural_units(name, m, covered)
+        units.extend(found)
+        refused.extend(refusals)
     # Hugging Face models that contain at least one recognized block
     for name, m in module.named_modules():
         if not is_hf_pretrained(m) or name in roots:
@@ -230,4 +238,13 @@ def detect_builtin_plan(module: nn.Module) -> BuiltinDetection:
         archs = [u.arch for u in units if u.arch != "torch" and (u.owner == name or u.owner.startswith(prefix))]
         if archs:
             roots[name] = archs[0]
-    return BuiltinDetection(units=units, recognized_roots=roots, refused=list(declared.refused))
+    return BuiltinDetection(units=units, recognized_roots=roots, refused=refused)
+
+
+def _undeclared_hf_models(module: nn.Module, declared_roots: dict[str, str]) -> list[tuple[str, nn.Module]]:
+    """Outermost Hugging Face models without a declared plan: structural detection's ground."""
+    found: list[tuple[str, nn.Module]] = []
+    for name, m in module.named_modules():
+        if is_hf_pretrained(m) and not _inside(name, declared_roots) and not _inside(name, dict(found)):
+            found.append((name, m))
+    return found

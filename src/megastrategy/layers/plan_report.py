@@ -23,7 +23,12 @@ from megastrategy.layers.shard_spec import padded_size_for
 
 __all__ = ["load_model", "describe_source", "parameters_per_rank", "plan_report", "report_for"]
 
-_TASKS = {"lm": "AutoModelForCausalLM", "mlm": "AutoModelForMaskedLM", "cls": "AutoModelForSequenceClassification"}
+_TASKS = {
+    "lm": "AutoModelForCausalLM",
+    "mlm": "AutoModelForMaskedLM",
+    "cls": "AutoModelForSequenceClassification",
+    "s2s": "AutoModelForSeq2SeqLM",
+}
 
 
 def load_model(target: str, task: str = "lm") -> nn.Module:
@@ -42,6 +47,8 @@ def load_model(target: str, task: str = "lm") -> nn.Module:
 def describe_source(source: str) -> str:
     if source.startswith("declared:"):
         return f"declared by transformers ({source.split(':', 1)[1]})"
+    if source.startswith("structural:"):
+        return f"structural ({source.split(':', 1)[1]}: traced data flow)"
     if source.startswith("auto:"):
         return f"built-in ({source.split(':', 1)[1]})"
     if source.startswith("tp_plan["):

@@ -70,13 +70,15 @@ class BuiltinUnit:
     divide_attrs: tuple[str, ...] = ()
     checks: list[SizeCheck] = field(default_factory=list)
     rng_region: tuple[str | None, str] | None = None
-    #: ``"builtin"`` (this project's class rules) or ``"declared"`` (Hugging Face's tp_plan)
+    #: ``"builtin"`` (this project's class rules), ``"declared"`` (Hugging Face's tp_plan) or
+    #: ``"structural"`` (traced data flow, :mod:`megastrategy.layers.structural_plans`)
     origin: str = "builtin"
 
     @property
     def source(self) -> str:
         """Where a plan entry of this unit comes from, as shown in the plan table."""
-        return f"declared:{self.arch}" if self.origin == "declared" else f"auto:{self.arch}"
+        prefix = {"declared": "declared", "structural": "structural"}.get(self.origin, "auto")
+        return f"{prefix}:{self.arch}"
 
 
 @dataclass(frozen=True)
@@ -87,6 +89,8 @@ class Refusal:
     module: str
     style: str
     reason: str
+    #: ``"declared"`` (a Hugging Face style with no exact translation) or ``"structural"``
+    origin: str = "declared"
 
 
 @dataclass

@@ -28,8 +28,9 @@ A dict mapping :func:`fnmatch.fnmatchcase` globs over the names of
 ``"replicate"``
     leave the module *and everything beneath it* alone.
 ``"auto"``
-    use built-in detection (:mod:`megastrategy.layers.builtin_plans`) for the modules the
-    glob matches. ``{"*": "auto", ...}`` is the **combined form**: auto-detection everywhere,
+    use built-in detection (:mod:`megastrategy.layers.builtin_plans`: a Hugging Face model's
+    declared plan, then class rules, then structural detection from the traced data flow,
+    :mod:`megastrategy.layers.structural_plans`) for the modules the glob matches. ``{"*": "auto", ...}`` is the **combined form**: auto-detection everywhere,
     overridden by the more specific entries next to it.
 
 Precedence

@@ -161,6 +161,8 @@ class _ShardedLayerBuilder:
             "attention": self._attention,
             "dropout": self._dropout,
             "grad_sum": self._grad_sum,
+            "head_table": self._head_table,
+            "head_bias_input": self._head_bias_input,
         }.get(e.style)
         if build is None:
             raise AssertionError(e.style)
@@ -228,6 +230,16 @@ class _ShardedLayerBuilder:
 
         sum_grads_over_tp(m, self.group)
         return m
+
+    def _head_table(self, e: PlanEntry, m: nn.Module) -> nn.Module:
+        from megastrategy.layers.head_bias import narrow_head_table
+
+        return narrow_head_table(m, self.group, int(e.extra["heads"]))
+
+    def _head_bias_input(self, e: PlanEntry, m: nn.Module) -> nn.Module:
+        from megastrategy.layers.head_bias import narrow_head_bias_input
+
+        return narrow_head_bias_input(m, self.group, int(e.extra["heads"]), str(e.extra["bias_kwarg"]))
 
 
 def _hook_rng_regions(

@@ -107,6 +107,12 @@ def _check_refused(ctx: PlanContext, effective: dict[str, Effective]) -> None:
         if not _auto_style(effective, module):
             continue
         glob = globify(module)
+        if r.origin == "structural":
+            raise MegatronConfigError(
+                f"tp={ctx.tp_size} with auto-detection: {r.module!r} declares no tensor-parallel plan and "
+                f"{r.reason}; refusing rather than guessing. Name its layers in tp_plan, e.g. "
+                f"tp_plan={{'*': 'auto', {glob!r}: 'replicate'}} to keep it whole on every rank, or use tp=1."
+            )
         raise MegatronConfigError(
             f"tp={ctx.tp_size} with auto-detection: Hugging Face declares tensor-parallel style {r.style!r} for "
             f"{r.module!r}, and {r.reason}; this strategy translates only styles it reproduces exactly "

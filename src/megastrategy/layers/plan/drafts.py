@@ -39,6 +39,9 @@ class DraftEntry:
     input_copy: str | None = None
     tied_to: str | None = None
     bias_aliases: tuple[str, ...] | None = None
+    #: ``head_table``/``head_bias_input``: the full head count (and the bias argument's name)
+    heads: int | None = None
+    bias_kwarg: str | None = None
 
     @classmethod
     def builtin(cls, style: str, source: str, unit: BuiltinUnit, extra: dict[str, Any]) -> "DraftEntry":
@@ -50,6 +53,8 @@ class DraftEntry:
             packed_chunks=extra.get("packed_chunks"),
             gather_output=extra.get("gather_output"),
             split_input=extra.get("split_input"),
+            heads=extra.get("heads"),
+            bias_kwarg=extra.get("bias_kwarg"),
         )
 
     @property
@@ -70,6 +75,8 @@ class DraftEntry:
             ("input_copy", self.input_copy),
             ("tied_to", self.tied_to),
             ("bias_aliases", self.bias_aliases),
+            ("heads", self.heads),
+            ("bias_kwarg", self.bias_kwarg),
         )
         return {k: v for k, v in pairs if v is not None}
 

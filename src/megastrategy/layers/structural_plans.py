@@ -1,0 +1,207 @@
+"""Structural plans: the last source of a tensor-parallel plan, for a Hugging Face model that
+declares none and has no built-in rules (Falcon, Persimmon, ...).
+
+The model runs once on random ids while :mod:`megastrategy.layers.dataflow` records which
+linear layer's output reaches which linear layer's input. A linear layer ``out`` whose input
+comes only from sibling linear layers fed at most two tensors (the hidden states; in
+cross-attention the query's and the memory's), none of whose outputs goes anywhere else, closes a Megatron region: the siblings are ``column``, ``out`` is ``row``.
+
+* If the parent counts heads (an ``int`` attribute in :data:`HEAD_ATTRS`) it is an
+  **attention** block: the head counts are divided by ``tp`` (and must be divisible). One packed
+  QKV projection is split by what the forward does first with its output: a ``view`` whose
+  outer new dimension is a head count (``[heads, 3, head_dim]``, Falcon's
+  ``[kv_groups, q_per_group + 2, head_dim]``) -> contiguous rows per rank; a ``split``/``chunk``
+  into equal parts -> ``packed_chunks``. Anything else, or both readings at once, is refused.
+  Parameterized layers between the projections and ``out`` (per-head q/k norms) keep their
+  weights whole and sum their gradients over TP (``grad_sum``); attention dropout on the local
+  heads runs on the per-TP-rank RNG stream. A per-head bias table (an ``nn.Embedding`` child as
+  wide as the head count: T5's relative position bias) is ``head_table``, and an attention
+  taking a ``position_bias`` argument is ``head_bias_input`` (:mod:`megastrategy.layers.head_bias`).
+  Cross-attention (q from the decoder, k/v from the encoder output) is two inputs, one region.
+* Otherwise it is an **MLP**: up (and gate) ``column``, down ``row``.
+
+The input and output embeddings become ``vocab``. Every detected block is verified in setup
+against its unsharded copy (:mod:`megastrategy.layers.block_check`), so a wrong reading
+refuses to train rather than train wrong. Pure: nothing is modified.
+"""
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+from torch import nn
+
+from megastrategy.layers.dataflow import DataFlow, FirstUse, trace_dataflow
+from megastrategy.layers.random_ids_forward import forward_on_random_ids
+from megastrategy.layers.unit_types import HEAD_ATTRS, BuiltinUnit, Refusal, SizeCheck, is_linear_layer
+from megastrategy.naming import join_name, parent_name
+
+__all__ = ["structural_units"]
+
+_SPLIT_OPS = ("split", "chunk", "tensor_split", "split_with_sizes")
+_VIEW_OPS = ("view", "reshape", "unflatten")
+
+
+def _head_counts(m: nn.Module) -> dict[str, int]:
+    return {a: v for a in HEAD_ATTRS if isinstance(v := getattr(m, a, None), int) and not isinstance(v, bool)}
+
+
+def _packing(use: FirstUse | None, heads: set[int]) -> int | str:
+    """Equal chunks side by side in a packed projection's output (1: heads/groups outermost),
+    or why that cannot be told."""
+    if use is None:
+        return "its output is never used"
+    if use.op in _SPLIT_OPS:
+        first = use.results[0] if use.results else ()
+        k = len(use.results)
+        if k > 1 and all(r == first for r in use.results) and first[-1] * k == use.shape[-1]:
+            return k
+        return f"its output is cut by {use.op} into unequal parts {[r[-1] for r in use.results]}"
+    if use.op in _VIEW_OPS and len(use.results) == 1:
+        lead = len(use.shape) - 1
+        result = use.results[0]
+        suffix = result[lead:]
+        if result[:lead] == use.shape[:lead] and len(suffix) >= 3:
+            readings = []
+            if suffix[0] in heads:
+                readings.append(1)  # [heads or kv groups, ..., head_dim]
+            if suffix[0] in (2, 3) and suffix[1] in heads:
+                readings.append(suffix[0])  # [q|k|v, heads, head_dim]
+            if len(readings) == 1:
+                return readings[0]
+            return (
+                f"its output is viewed as {list(suffix)} and the head counts {sorted(heads)} leave "
+                + ("two readings (heads outermost, or equal q/k/v chunks)" if readings else "no reading")
+            )
+    return f"the forward first applies {use.op} to its output, giving shapes {list(use.results)}"
+
+
+class _Detector:
+    """Reads one Hugging Face model's data flow; collects units and refusals."""
+
+    def __init__(self, root_name: str, root: nn.Module, flow: DataFlow, linears: set[str], covered: set[str]) -> None:
+        self.root_name, self.root, self.flow, self.linears, self.covered = root_name, root, flow, linears, covered
+        self.modules = dict(root.named_modules())
+        self.arch = str(getattr(getattr(root, "config", None), "model_type", type(root).__name__))
+        self.units: list[BuiltinUnit] = []
+        self.refused: list[Refusal] = []
+
+    def full(self, rel: str) -> str:
+        return join_name(self.root_name, rel)
+
+    def region(self, out: str) -> frozenset[str] | None:
+        """The column layers closed by ``out``, or None if ``out`` closes no clean region."""
+        sources = self.flow.sources.get(out, frozenset())
+        parent = parent_name(out)
+        if not sources or out in sources or not sources <= self.linears:
+            return None
+        if any(parent_name(s) != parent for s in sources):
+            return None
+        if len({self.flow.input_id.get(s) for s in sources}) > 2:  # one input, or a query and a memory
+            return None
+        leaks = [n for n, src in self.flow.sources.items() if n != out and src & sources and not n.startswith(parent + ".")]
+        others = [n for n in self.linears if n != out and self.flow.sources.get(n, frozenset()) & sources]
+        return None if leaks or others else sources
+
+    def inside(self, owner: str, sources: frozenset[str], kind: type) -> list[str]:
+        """Non-linear layers of ``owner`` of type ``kind`` that act on the region's activations."""
+        found = []
+        for n, src in self.flow.sources.items():
+            m = self.modules[n]
+            if n.startswith(owner + ".") and n not in self.linears and isinstance(m, kind) and src and src <= sources:
+                found.append(n)
+        return sorted(found)
+
+    def add(self, out: str, sources: frozenset[str]) -> None:
+        owner = parent_name(out)
+        heads = _head_counts(self.modules[owner]) if owner else {}
+        if not heads:
+            members = [(self.full(s), "column", {}) for s in sorted(sources)]
+            members += [(self.full(d), "dropout", {}) for d in self.inside(owner, sources, nn.Dropout)]
+            members.append((self.full(out), "row", {}))
+            self.units.append(BuiltinUnit(self.arch, "mlp", self.full(owner), members, origin="structural"))
+            return
+        chunks: int | str = 1
+        if len(sources) == 1:
+            (packed,) = sources
+            chunks = _packing(self.flow.first_use.get(packed), set(heads.values()))
+            if isinstance(chunks, str):
+                self.refused.append(Refusal(self.full(owner), "structural", (
+                    f"structural detection cannot tell how the packed projection {self.full(packed)!r} holds "
+                    f"q/k/v: {chunks}"), origin="structural"))
+                return
+        self.units.append(self._attention(owner, out, sources, chunks, heads))
+
+    def _attention(self, owner: str, out: str, sources: frozenset[str], chunks: int, heads: dict[str, int]) -> BuiltinUnit:
+        extra: dict[str, Any] = {"packed_chunks": chunks} if chunks > 1 else {}
+        members = [(self.full(s), "column", dict(extra)) for s in sorted(sources)]
+        members += [(self.full(n), "grad_sum", {}) for n in self.inside(owner, sources, nn.Module)
+                    if any(True for _ in self.modules[n].parameters(recurse=False))]
+        members.append((self.full(out), "row", {}))
+        members += self._head_bias(owner, heads)
+        dropouts = self.inside(owner, sources, nn.Dropout)
+        rng = (self.full(out), f"{dropouts[0][len(owner) + 1:]}.p") if dropouts else None
+        return BuiltinUnit(
+            self.arch, "attention", self.full(owner), members, divide_attrs=tuple(heads),
+            checks=[SizeCheck(self.full(owner), a, v, "attention heads") for a, v in heads.items()],
+            rng_region=rng, origin="structural",
+        )
+
+    def _head_bias(self, owner: str, heads: dict[str, int]) -> list[tuple[str, str, dict[str, Any]]]:
+        """T5's relative position bias: a per-head table (an Embedding whose width is the head
+        count) and a ``position_bias`` argument that carries one bias per head."""
+        module = self.modules[owner]
+        tables = [(n, m.embedding_dim) for n, m in module.named_children()
+                  if type(m) is nn.Embedding and m.embedding_dim in heads.values()]
+        members = [(self.full(join_name(owner, n)), "head_table", {"heads": h}) for n, h in tables]
+        if "position_bias" in inspect.signature(module.forward).parameters:
+            h = tables[0][1] if tables else max(heads.values())
+            members.append((self.full(owner), "head_bias_input", {"heads": h, "bias_kwarg": "position_bias"}))
+        return members
+
+    def vocab(self) -> None:
+        """Input embedding and output head, once some block was detected. An embedding whose
+        weight another embedding shares (an encoder-decoder's ``shared``), or whose class has its
+        own ``forward`` (a scaled embedding), stays whole, and so does a head tied to it."""
+        names = {id(m): n for n, m in self.modules.items() if self.full(n) not in self.covered}
+        emb, head = self.root.get_input_embeddings(), self.root.get_output_embeddings()
+        emb_ok = type(emb) is nn.Embedding and id(emb) in names and not self._shared_with_embeddings(emb)
+        if emb_ok:
+            self.units.append(BuiltinUnit(self.arch, "embedding", self.root_name, [(self.full(names[id(emb)]), "vocab", {})], origin="structural"))
+        tied = emb is not None and head is not None and getattr(head, "weight", None) is getattr(emb, "weight", None)
+        if isinstance(head, nn.Linear) and id(head) in names and (emb_ok or not tied):
+            self.units.append(BuiltinUnit(self.arch, "lm_head", self.root_name, [(self.full(names[id(head)]), "vocab", {})], origin="structural"))
+
+    def _shared_with_embeddings(self, emb: nn.Embedding) -> bool:
+        return any(isinstance(m, nn.Embedding) and m is not emb and m.weight is emb.weight for m in self.modules.values())
+
+
+def _watched(root: nn.Module) -> tuple[dict[str, nn.Module], set[str]]:
+    """Leaf layers to trace (linear layers cut the tags; the rest only read them)."""
+    watched = {n: m for n, m in root.named_modules() if n and not any(True for _ in m.children())}
+    return watched, {n for n, m in watched.items() if is_linear_layer(m)}
+
+
+def _in_repeated_block(name: str) -> bool:
+    """Inside an element of a layer list (``layers.3.attn.q``): where the compute is."""
+    return any(part.isdigit() for part in name.split(".")[:-1])
+
+
+def structural_units(root_name: str, root: nn.Module, covered: set[str]) -> tuple[list[BuiltinUnit], list[Refusal]]:
+    """Units found by tracing Hugging Face model ``root`` (named ``root_name`` in the user's
+    module); layers in ``covered`` (named by another source) are left to it."""
+    watched, all_linears = _watched(root)
+    linears = {n for n in all_linears if join_name(root_name, n) not in covered and _in_repeated_block(n)}
+    if not linears:
+        return [], []
+    flow = trace_dataflow(root, watched, all_linears, lambda: forward_on_random_ids(root))
+    if flow is None:
+        return [], []
+    detector = _Detector(root_name, root, flow, linears, covered)
+    for out in sorted(linears):
+        sources = detector.region(out)
+        if sources is not None:
+            detector.add(out, sources)
+    if any(u.kind in ("attention", "mlp") for u in detector.units):
+        detector.vocab()
+    return detector.units, detector.refused

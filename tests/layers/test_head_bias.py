@@ -1,0 +1,48 @@
+"""Per-head bias tables under TP (megastrategy.layers.head_bias), on two processes: the table's
+output keeps this rank's heads, its gradient is the full one on every rank, and a bias argument
+with all heads is narrowed while a local one passes through."""
+from __future__ import annotations
+
+from tests.helpers.dist import run_distributed
+
+
+def _check(rank, world):
+    import torch
+    import torch.distributed as dist
+    from torch import nn
+
+    from megastrategy.layers.head_bias import narrow_head_bias_input, narrow_head_table
+
+    torch.manual_seed(0)
+    table = nn.Embedding(8, 4)
+    reference = nn.Embedding(8, 4)
+    reference.load_state_dict(table.state_dict())
+    narrow_head_table(table, dist.group.WORLD, 4)
+    buckets = torch.tensor([[0, 3], [5, 7]])
+    out = table(buckets)
+    out.pow(2).sum().backward()
+    reference(buckets).pow(2).sum().backward()
+
+    seen = []
+
+    class Attention(nn.Module):
+        def forward(self, x, position_bias=None):
+            seen.append(tuple(position_bias.shape))
+            return x
+
+    attention = narrow_head_bias_input(Attention(), dist.group.WORLD, 4, "position_bias")
+    full = torch.arange(4.0).reshape(1, 4, 1, 1)
+    attention(torch.zeros(1), position_bias=full)
+    attention(torch.zeros(1), position_bias=full[:, :2])
+    return {
+        "out": out.tolist(), "want": reference(buckets)[..., 2 * rank: 2 * rank + 2].tolist(),
+        "grad_equal": bool(torch.allclose(table.weight.grad, reference.weight.grad)),
+        "seen": seen,
+    }
+
+
+def test_a_head_table_is_narrowed_and_its_gradient_summed_tp2():
+    for rank, res in enumerate(run_distributed(_check, 2, timeout=120)):
+        assert res["out"] == res["want"], rank
+        assert res["grad_equal"], rank
+        assert res["seen"] == [(1, 2, 1, 1), (1, 2, 1, 1)]

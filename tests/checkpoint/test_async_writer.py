@@ -2,6 +2,7 @@
 synchronous ones."""
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import pytest
@@ -27,7 +28,7 @@ def test_async_checkpoints_hold_what_synchronous_ones_hold_and_resume_the_same(t
     assert resumed["train_loss"] == straight["train_loss"][4:]
 
 
-def test_a_kill_during_a_background_write_leaves_the_previous_checkpoint_loadable(tmp_path):
+def test_a_kill_during_a_background_write_leaves_the_previous_checkpoint_to_resume_from(tmp_path):
     common = ["--model", "gpt", "--strategy", "megatron", "--user-plan", "--tp", "2", "--n-train", "16", "--steps", "4",
               "--ckpt-dir", str(tmp_path), "--heartbeat-timeout", "5", "--async-checkpoint"]
     results = run_script_to_the_end(SCRIPT, 2, common + ["--epochs", "3", "--fail-rank", "1", "--fail-step", "1",
@@ -39,3 +40,6 @@ def test_a_kill_during_a_background_write_leaves_the_previous_checkpoint_loadabl
     for p in tmp_path.iterdir():  # nothing half-written is visible under a final name
         assert p.name.endswith(".tmp") or (p / ".metadata").is_file(), p
     assert "wte.weight" in consolidate(first)
+    # and training resumes from it: the two epochs after epoch 0, 4 steps each, on the same layout
+    resumed = run_script(SCRIPT, 2, common + ["--epochs", "3", "--resume", str(first)], timeout=240)
+    assert len(resumed["train_loss"]) == 8 and all(math.isfinite(x) for x in resumed["train_loss"])

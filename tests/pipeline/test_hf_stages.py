@@ -18,8 +18,11 @@ SCRIPT = Path(__file__).parents[1] / "scripts" / "train_hf_stages.py"
 TOL = 2e-4
 pytestmark = pytest.mark.slow
 
-ALL = ("bert", "roberta", "xlm-roberta", "distilbert", "electra", "albert", "opt", "gpt2", "gpt-neox", "llama",
-       "gemma", "phi3", "qwen2", "mistral", "t5-encoder")
+ALL = ("bert", "roberta", "xlm-roberta", "distilbert", "electra", "albert", "camembert", "modernbert",
+       "opt", "gpt2", "gpt-neox", "llama", "gemma", "phi3", "qwen2", "mistral", "t5-encoder",
+       # decoders that declare base_model_tp_plan, then two that declare none
+       "qwen3", "gemma2", "phi", "olmo", "olmo2", "granite", "cohere", "starcoder2", "glm", "helium", "smollm3",
+       "stablelm", "falcon", "persimmon")
 FEW = ("albert", "opt", "xlm-roberta", "llama", "t5-encoder")
 LAYOUTS = {  # name: (processes, strategy arguments, models)
     "pp2": (2, ("--pp", "2"), ALL),

@@ -5,7 +5,8 @@ pp4) with the per-step losses of Lightning's DDPStrategy on one process, from th
 One launch per layout trains all its models (tests/scripts/train_hf_stages.py). The matrix covers
 what used to fail: OPT and XLM-R call modules in another order than they register them, ALBERT
 applies one shared block N times, rotary models compute position embeddings before the stack, and
-T5's encoder blocks hand each other the position bias block 0 computes.
+T5's encoder blocks hand each other the position bias block 0 computes. DeBERTa-v2 is left out: every layer
+reads its shared ``rel_embeddings.weight``, which stages refuse (tests/pipeline/test_stage.py).
 """
 from functools import lru_cache
 from pathlib import Path

@@ -51,3 +51,23 @@ def test_position_bias_crosses_the_boundary_and_gets_its_gradient():
     bias_grad = first.encoder.block[0].layer[0].SelfAttention.relative_attention_bias.weight.grad
     expected_grad = full.encoder.block[0].layer[0].SelfAttention.relative_attention_bias.weight.grad
     assert torch.allclose(bias_grad, expected_grad, atol=1e-6)  # includes what stage 1's blocks added
+
+
+def test_a_module_whose_weight_every_layer_reads_is_refused_on_stages_without_it():
+    """DeBERTa-v2 reads ``encoder.rel_embeddings.weight`` (registered after its stack) in every
+    layer without calling the module; stage 0 cannot own it, so the read is refused, loudly."""
+    from megastrategy.errors import MegatronConfigError
+
+    torch.manual_seed(0)
+    config = transformers.DebertaV2Config(vocab_size=64, hidden_size=16, num_hidden_layers=4, num_attention_heads=2,
+                                          intermediate_size=32, relative_attention=True, position_buckets=8,
+                                          max_relative_positions=16, pos_att_type=["p2c", "c2p"])
+    model, path = transformers.DebertaV2Model(config), "encoder.layer"
+    anatomy = ModelAnatomy.of(model, path, record_forward_order(model, path).called)
+    stage = cut_stage(model, stack_path=path, stack=anatomy.stack, assignment=assign_layers(4, 2), pp_rank=0,
+                      pp_size=2, vp_size=1, anatomy=anatomy)
+    stage.activate(0, None)
+    with pytest.raises(MegatronConfigError, match=r"encoder\.rel_embeddings\.weight .*pp=1"):
+        model(input_ids=torch.randint(0, 64, (2, 7)))
+    stage.deactivate()
+    assert not hasattr(model.encoder.rel_embeddings, "weight")  # a probe still just answers no

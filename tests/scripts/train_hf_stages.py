@@ -26,6 +26,7 @@ VOCAB, SEQ, LAYERS = 128, 12, 4
 COMMON = dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=LAYERS, num_attention_heads=4, intermediate_size=64,
               max_position_embeddings=64, pad_token_id=0, bos_token_id=1, eos_token_id=2)
 CLS, LM = "AutoModelForSequenceClassification", "AutoModelForCausalLM"
+GQA = dict(num_key_value_heads=2, head_dim=8)
 ARCHITECTURES = {  # name: (config class, auto class, config arguments beyond COMMON)
     "bert": ("BertConfig", CLS, {}),
     "roberta": ("RobertaConfig", CLS, {}),
@@ -41,6 +42,26 @@ ARCHITECTURES = {  # name: (config class, auto class, config arguments beyond CO
     "phi3": ("Phi3Config", LM, dict(num_key_value_heads=2)),
     "qwen2": ("Qwen2Config", LM, dict(num_key_value_heads=2)),
     "mistral": ("MistralConfig", LM, dict(num_key_value_heads=2)),
+    "camembert": ("CamembertConfig", CLS, {}),
+    "modernbert": ("ModernBertConfig", CLS, dict(global_attn_every_n_layers=2, local_attention=8, cls_token_id=1,
+                                                 sep_token_id=2)),
+    # decoders that declare ``base_model_tp_plan``
+    "qwen3": ("Qwen3Config", LM, GQA),
+    "gemma2": ("Gemma2Config", LM, GQA),
+    "phi": ("PhiConfig", LM, dict(partial_rotary_factor=0.5)),
+    "olmo": ("OlmoConfig", LM, GQA),
+    "olmo2": ("Olmo2Config", LM, GQA),
+    "granite": ("GraniteConfig", LM, GQA),
+    "cohere": ("CohereConfig", LM, GQA),
+    "starcoder2": ("Starcoder2Config", LM, GQA),
+    "glm": ("GlmConfig", LM, GQA),
+    "helium": ("HeliumConfig", LM, GQA),
+    "smollm3": ("SmolLM3Config", LM, GQA),
+    "stablelm": ("StableLmConfig", LM, dict(num_key_value_heads=2)),
+    # decoders that declare no plan: Falcon's grouped-query layout, Persimmon's per-head q/k norms
+    "falcon": ("FalconConfig", LM, dict(new_decoder_architecture=True, num_attention_heads=8, num_kv_heads=2,
+                                        alibi=False)),
+    "persimmon": ("PersimmonConfig", LM, dict(qk_layernorm=True)),
     # no loss of its own: the module adds a head (its blocks hand each other T5's position bias)
     "t5-encoder": ("T5Config", "T5EncoderModel", dict(d_model=32, d_ff=64, num_layers=LAYERS, num_heads=4, d_kv=8)),
 }

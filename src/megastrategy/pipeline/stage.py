@@ -89,12 +89,33 @@ class MetaStandIn(nn.Module):
         )
 
 
+class UnreachableAttributeError(MegatronConfigError, AttributeError):
+    """A stage read a parameter (or other attribute) of a module it does not own. An
+    ``AttributeError`` too, so ``hasattr``/``getattr(..., default)`` probes still answer no."""
+
+
 class Unreachable(nn.Module):
     """Replaces a module registered after the layer stack on stages that end before it."""
 
     def __init__(self, name: str):
         super().__init__()
         self._name = name
+
+    def __getattr__(self, attr: str) -> Any:
+        """Reading e.g. ``.weight`` instead of calling the module (DeBERTa-v2's relative position
+        embeddings, read by every layer) would need that parameter on every stage, with its
+        gradients summed across them: refused rather than guessed."""
+        try:
+            return super().__getattr__(attr)
+        except AttributeError:
+            pass
+        raise UnreachableAttributeError(
+            f"the forward reads {self._name}.{attr} directly (without calling {self._name}) on a pipeline stage "
+            f"that does not own it; pipeline stages place a module by where the forward calls it, so a module "
+            "whose parameters every layer reads (shared relative-position embeddings, as in DeBERTa-v2) cannot be "
+            "split across stages. Use pp=1 (tensor or data parallelism work), or call the module instead of "
+            "reading its attributes."
+        )
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         raise MegatronConfigError(

@@ -11,7 +11,6 @@ import json
 import os
 import platform
 import queue
-import socket
 import subprocess
 import sys
 import tempfile
@@ -30,6 +29,8 @@ for _p in (REPO / "src", REPO / "examples"):
         sys.path.insert(0, str(_p))
 
 import torch  # noqa: E402
+
+from megastrategy.ports import free_port  # noqa: E402  (src/ is on sys.path above)
 
 
 def machine_info() -> dict[str, Any]:
@@ -81,10 +82,6 @@ def machine_line(info: dict[str, Any]) -> str:
     )
 
 
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _spawn_entry(fn, rank, world, port, args, results):

@@ -6,19 +6,16 @@ no process outlives the test.
 from __future__ import annotations
 
 import os
-import socket
 import traceback
 from typing import Any, Callable
 
 import torch.multiprocessing as mp
 
+from megastrategy.ports import free_port  # noqa: F401  (re-exported for the launchers)
+
 DEFAULT_TIMEOUT_S = 120
 
 
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _worker(fn, rank, world_size, port, args, results):

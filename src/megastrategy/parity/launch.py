@@ -7,24 +7,21 @@ and a job that outlives ``timeout`` is stopped: a hang is an error, never a wait
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 import tempfile
 import time
 from typing import Optional, Sequence
 
-__all__ = ["RanksFailed", "free_port", "launch_ranks"]
+from megastrategy.ports import free_port
+
+__all__ = ["RanksFailed", "launch_ranks"]
 
 
 class RanksFailed(RuntimeError):
     """A rank exited with an error, or the job ran past its timeout; carries every rank's output tail."""
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def launch_ranks(argv: Sequence[str], nprocs: int, *, timeout: float, env: Optional[dict] = None) -> None:

@@ -5,7 +5,6 @@ Launched on N processes by tests/helpers/launch.py; rank 0 writes what it saw to
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
@@ -21,6 +20,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
 from lightning.pytorch.strategies import DDPStrategy  # noqa: E402
 
 from tests.helpers.models import GPT  # noqa: E402
+from tests.helpers.script_args import layout_parser  # noqa: E402
 
 
 class GatheringGPT(GPT):
@@ -45,11 +45,7 @@ class GatheringGPT(GPT):
 
 
 def main() -> None:
-    p = argparse.ArgumentParser()
-    p.add_argument("--out", required=True)
-    p.add_argument("--strategy", choices=["ddp", "megatron"], required=True)
-    p.add_argument("--tp", type=int, default=1)
-    p.add_argument("--pp", type=int, default=1)
+    p = layout_parser()
     p.add_argument("--gather", action="store_true", help="all_gather the validation outputs at epoch end")
     args = p.parse_args()
     L.seed_everything(0)

@@ -7,7 +7,6 @@ final weights (DDP: the module's state_dict; ours: consolidated from the sharded
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
@@ -20,6 +19,8 @@ import lightning as L  # noqa: E402
 import torch  # noqa: E402
 from lightning.pytorch.strategies import DDPStrategy  # noqa: E402
 from torch.utils.data import DataLoader  # noqa: E402
+
+from tests.helpers.script_args import layout_parser  # noqa: E402
 
 VOCAB, SEQ = 128, 16
 _SMALL = dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
@@ -76,11 +77,8 @@ def train(arch: str, strategy, ckpt: Path, devices: int) -> tuple[list[float], L
 
 
 def main() -> None:
-    p = argparse.ArgumentParser()
-    p.add_argument("--out", required=True)
-    p.add_argument("--strategy", choices=["ddp", "megatron"], required=True)
+    p = layout_parser()
     p.add_argument("--ep", type=int, default=1)
-    p.add_argument("--tp", type=int, default=1)
     args = p.parse_args()
     out = Path(args.out)
     devices, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])  # Lightning's teardown removes them

@@ -8,7 +8,6 @@ with the metrics Lightning showed to ``--out``.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
@@ -25,6 +24,7 @@ from lightning.pytorch.strategies import DDPStrategy  # noqa: E402
 from lightning.pytorch.utilities import grad_norm  # noqa: E402
 
 from tests.helpers.models import BertClassifier  # noqa: E402
+from tests.helpers.script_args import layout_parser  # noqa: E402
 
 
 def _is_shard(p: torch.nn.Parameter) -> bool:
@@ -85,11 +85,7 @@ class MetricsEachStep(L.Callback):
 
 
 def main() -> None:
-    p = argparse.ArgumentParser()
-    p.add_argument("--out", required=True)
-    p.add_argument("--strategy", choices=["ddp", "megatron"], required=True)
-    p.add_argument("--tp", type=int, default=1)
-    p.add_argument("--pp", type=int, default=1)
+    p = layout_parser()
     p.add_argument("--accumulate", type=int, default=1)
     p.add_argument("--overlap", action="store_true", help="MegatronStrategy(overlap_grad_reduce=True)")
     args = p.parse_args()

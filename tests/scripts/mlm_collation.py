@@ -6,7 +6,6 @@ Launched on N processes by tests/helpers/launch.py; rank 0 writes the per-step l
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
@@ -20,6 +19,8 @@ import torch  # noqa: E402
 from lightning.pytorch.callbacks import Callback  # noqa: E402
 from lightning.pytorch.strategies import DDPStrategy  # noqa: E402
 from torch.utils.data import DataLoader, Dataset  # noqa: E402
+
+from tests.helpers.script_args import layout_parser  # noqa: E402
 
 
 def tokenizer():
@@ -87,11 +88,7 @@ class StepLosses(Callback):
 
 
 def main() -> None:
-    p = argparse.ArgumentParser()
-    p.add_argument("--out", required=True)
-    p.add_argument("--strategy", choices=["ddp", "megatron"], required=True)
-    p.add_argument("--tp", type=int, default=1)
-    p.add_argument("--pp", type=int, default=1)
+    p = layout_parser()
     p.add_argument("--num-workers", type=int, default=0)
     p.add_argument("--microbatches", type=int, default=None)
     args = p.parse_args()

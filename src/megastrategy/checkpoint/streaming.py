@@ -11,13 +11,13 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Callable, Optional
 
 from torch import Tensor
 
 from megastrategy.checkpoint.dcp_io import PathLike, load_state, read_metadata, template_for
 
-__all__ = ["DEFAULT_SHARD_BYTES", "iter_full_model_state", "model_key_order", "write_safetensors_shards"]
+__all__ = ["DEFAULT_SHARD_BYTES", "model_key_order", "write_safetensors_shards"]
 
 DEFAULT_SHARD_BYTES = 2 * 1024**3  # Hugging Face's own default is 5 GB; smaller shards bound memory tighter
 
@@ -38,13 +38,6 @@ def model_key_order(path: PathLike, prefix: str) -> list[str]:
     info = loaded.get(INFO_KEY) or {}
     order = [k for k in merged_key_order(stages, info.get("stack_path")) if k in md]
     return order + [k for k in keys if k not in set(order)]
-
-
-def iter_full_model_state(path: PathLike, prefix: str) -> Iterator[tuple[str, Tensor]]:
-    """``(name without prefix, whole tensor)`` for every model tensor, one at a time, in ``state_dict`` order."""
-    md = read_metadata(path).state_dict_metadata
-    for key in model_key_order(path, prefix):
-        yield key[len(prefix) :], load_state(path, {key: template_for(md[key])})[key]
 
 
 def _shard_plan(sizes: list[tuple[str, int]], max_bytes: int) -> list[list[str]]:
@@ -89,7 +82,9 @@ def write_safetensors_shards(
     weight_map: dict[str, str] = {}
     for i, keys in enumerate(plan, 1):
         file = f"model-{i:05d}-of-{len(plan):05d}.safetensors" if len(plan) > 1 else "model.safetensors"
-        tensors = {names[k]: load_state(path, {k: template_for(md[k])})[k].contiguous() for k in keys}
+        loaded = load_state(path, {k: template_for(md[k]) for k in keys})  # one read per shard
+        tensors = {names[k]: loaded[k].contiguous() for k in keys}
+        del loaded
         save_file(tensors, str(out / file), metadata={"format": "pt"})
         weight_map.update({names[k]: file for k in keys})
         del tensors

@@ -65,12 +65,16 @@ class MetaStandIn(nn.Module):
 
     Its output only needs the right shape (the first local block's input is substituted), so a
     parameter-free copy on the meta device computes the shape and zeros of that shape are returned.
+    The meta run costs milliseconds per call (it dispatches every op with shape checks), so its
+    result is kept per input signature (the shapes, dtypes and devices of the tensor arguments and
+    the other arguments' values): a meta tensor's shape cannot depend on the data anyway.
     """
 
     def __init__(self, real: nn.Module, name: str):
         super().__init__()
         self._meta = [meta_copy(real)]  # a list: not registered as a submodule
         self._name = name
+        self._outputs: dict[Any, Any] = {}  # input signature -> the meta run's output
         self.stage_done = None  # set by the stage: says whether the stack has already run
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
@@ -81,12 +85,38 @@ class MetaStandIn(nn.Module):
                 "forward calls it. Call it on one side of the stack only, or keep it inside a block."
             )
         device = next((a.device for a in list(args) + list(kwargs.values()) if isinstance(a, torch.Tensor)), None)
-        to_meta = lambda t: t.to("meta") if isinstance(t, torch.Tensor) else t  # noqa: E731
-        with torch.no_grad():
-            out = self._meta[0](*tree_map(to_meta, args), **tree_map(to_meta, kwargs))
+        key = _signature((args, kwargs))
+        out = self._outputs.get(key) if key is not None else None
+        if out is None:
+            to_meta = lambda t: t.to("meta") if isinstance(t, torch.Tensor) else t  # noqa: E731
+            with torch.no_grad():
+                out = self._meta[0](*tree_map(to_meta, args), **tree_map(to_meta, kwargs))
+            if key is not None:
+                if len(self._outputs) >= _MAX_SIGNATURES:
+                    self._outputs.clear()
+                self._outputs[key] = out
         return tree_map(
             lambda t: torch.zeros(t.shape, dtype=t.dtype, device=device) if isinstance(t, torch.Tensor) else t, out
         )
+
+
+def _signature(value: Any) -> Any:
+    """A hashable key for what a meta run's output can depend on; ``None`` when an argument is an
+    object other than a tensor or a plain value."""
+    leaves, spec = flatten_batch(value)
+    key = [str(spec)]
+    for leaf in leaves:
+        if isinstance(leaf, torch.Tensor):
+            key.append((tuple(leaf.shape), leaf.dtype, leaf.device, leaf.requires_grad))
+        elif isinstance(leaf, _PLAIN_VALUES):
+            key.append((type(leaf), leaf))
+        else:  # an object (a cache, a config): its identity would make every call a new key
+            return None
+    return tuple(key)
+
+
+_PLAIN_VALUES = (type(None), bool, int, float, str, torch.dtype, torch.device)
+_MAX_SIGNATURES = 64  # distinct input shapes remembered per stand-in (sequence lengths vary)
 
 
 class UnreachableAttributeError(MegatronConfigError, AttributeError):

@@ -1,0 +1,50 @@
+"""A module that runs before the layer stack is replaced, on later stages, by a stand-in that returns
+zeros of the real output's shape: its meta run is done once per input signature, not per microbatch."""
+import torch
+from torch import nn
+
+from megastrategy.pipeline.stage import MetaStandIn
+
+
+class _Embedding(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.table = nn.Embedding(50, 8)
+        self.runs = 0
+
+    def forward(self, ids, scale=1.0, extra=None):
+        self.runs += 1
+        return self.table(ids) * scale, ids.shape[-1]
+
+
+def _stand_in():
+    stand_in = MetaStandIn(_Embedding(), "embeddings")
+    return stand_in, stand_in._meta[0]
+
+
+def test_output_has_the_real_shape_and_zeros_and_is_a_fresh_tensor_each_call():
+    stand_in, meta = _stand_in()
+    ids = torch.randint(0, 50, (2, 5))
+    first, length = stand_in(ids)
+    second, _ = stand_in(ids + 1)
+    assert first.shape == (2, 5, 8) and first.dtype == torch.float32 and length == 5
+    assert first.device == ids.device and not first.any()
+    assert first.data_ptr() != second.data_ptr()  # fresh zeros: code may write into them
+    assert meta.runs == 1  # the same shapes again: the meta run is remembered
+
+
+def test_a_new_shape_or_plain_argument_runs_the_meta_copy_again():
+    stand_in, meta = _stand_in()
+    stand_in(torch.zeros(2, 5, dtype=torch.long))
+    out, length = stand_in(torch.zeros(2, 7, dtype=torch.long))
+    assert out.shape == (2, 7, 8) and length == 7
+    stand_in(torch.zeros(2, 7, dtype=torch.long), scale=2.0)
+    stand_in(torch.zeros(2, 7, dtype=torch.long), scale=2.0)
+    assert meta.runs == 3
+
+
+def test_an_object_argument_is_never_remembered():
+    stand_in, meta = _stand_in()
+    for _ in range(3):
+        stand_in(torch.zeros(2, 5, dtype=torch.long), extra=object())
+    assert meta.runs == 3 and not stand_in._outputs

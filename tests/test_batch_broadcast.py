@@ -1,7 +1,7 @@
 import torch
 import torch.distributed as dist
 
-from megastrategy.batch_broadcast import broadcast_batch
+from megastrategy.batch_broadcast import BatchBroadcaster
 from tests.helpers.dist import run_distributed
 
 
@@ -9,7 +9,7 @@ def _broadcast(rank, world_size):
     # every rank draws a different "random" batch, as a masking collate function would
     g = torch.Generator().manual_seed(rank)
     batch = {"input_ids": torch.randint(0, 9, (2, 3), generator=g), "meta": ["a", rank], "x": (torch.rand(2, generator=g),)}
-    out = broadcast_batch(batch, src=0, group=dist.group.WORLD, device=torch.device("cpu"))
+    out = BatchBroadcaster(src=0, group=dist.group.WORLD, device=torch.device("cpu"))(batch)
     return out["input_ids"].tolist(), out["meta"], out["x"][0].tolist()
 
 

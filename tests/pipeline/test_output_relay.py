@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from megastrategy.pipeline.output_relay import OutputRelay
+from megastrategy.tree_broadcast import HEADER_SLOTS
 from tests.helpers.dist import run_distributed
 from tests.helpers.launch import run_script
 
@@ -67,9 +68,8 @@ def _relay(rank, world):
 def test_model_outputs_arrive_intact_and_the_structure_travels_once():
     for intact, sizes, pickled in run_distributed(_relay, 2, timeout=90):
         assert intact == [True] * 3 and pickled == 1
-        payload = 4 + 6 * 4 + 2 * 8 + 2  # loss, logits, ids, mask
-        header = 8 * (1 + 2 + 3 + 5 + 4 + 4)  # length; new, count; kind, dtype, ndim and shape per tensor
-        assert sizes == [payload + header] * 3
+        payload = 16 + 32 + 16 + 16  # loss, logits, ids, mask, each at a 16-byte aligned offset
+        assert sizes == [payload + 8 * HEADER_SLOTS] * 3  # the header fits in its one message
 
 
 @lru_cache(maxsize=None)

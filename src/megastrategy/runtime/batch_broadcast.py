@@ -1,11 +1,11 @@
 """The batch broadcast (:mod:`megastrategy.batch_broadcast`) within a model replica, as a component."""
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Optional
 
 import torch
 
-from megastrategy.batch_broadcast import broadcast_batch
+from megastrategy.batch_broadcast import BatchBroadcaster
 from megastrategy.component import Component, Environment
 from megastrategy.config import MegatronConfig
 
@@ -19,11 +19,16 @@ class BatchBroadcast(Component):
     def __init__(self, config: MegatronConfig) -> None:
         self.enabled = config.should_broadcast_batch
         self._src, self._group = 0, None
+        self._broadcasters: dict[torch.device, BatchBroadcaster] = {}
 
     def on_environment(self, env: Environment) -> None:
         self._src, self._group = env.parallel_state.replica_ranks[0], env.parallel_state.replica_group
+        self._broadcasters = {}
 
     def on_batch(self, batch: Any, device: torch.device) -> Any:
         if self._group is None:
             return batch
-        return broadcast_batch(batch, src=self._src, group=self._group, device=device)
+        broadcaster: Optional[BatchBroadcaster] = self._broadcasters.get(device)
+        if broadcaster is None:
+            broadcaster = self._broadcasters[device] = BatchBroadcaster(src=self._src, group=self._group, device=device)
+        return broadcaster(batch)

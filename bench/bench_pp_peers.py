@@ -1,0 +1,231 @@
+"""A pipelined Hugging Face BERT under Lightning + MegatronStrategy(pp) beside torch.distributed.pipelining.
+
+    OMP_NUM_THREADS=1 python bench/bench_pp_peers.py                  # pp=2 and pp=4, h256 and h64
+    python bench/bench_pp_peers.py --pp 2 --hidden 64 --repeats 2     # one case
+
+What a user would pick instead of this project for pipeline parallelism is torch's own
+``torch.distributed.pipelining`` (``PipelineStage`` + ``Schedule1F1B``) in a plain training loop. Both
+sides train the same ``BertForSequenceClassification`` (8 layers, built by ``from_config`` from the same
+seed, loss computed inside with ``labels=``; torch's side cuts the same modules into stages by hand), on
+the same batches (16 sequences of 64 tokens, 4 microbatches), with AdamW, on the same processes (gloo,
+one thread each). Per case: the median step time of each side (``ours``: Lightning's
+``on_train_batch_start`` to ``on_train_batch_end``, i.e. forward, backward and optimizer step; ``torch``:
+the same three in its loop), their ratio, and the largest difference between the two sides' per-step
+losses. Runs are interleaved (ours, torch, ours, torch...) and the best median of each side is kept.
+
+A plain loop does not pay for Lightning's own loop (hooks, closures, logging, progress tracking). The
+last table measures that part alone on one process: the same model unpipelined under plain Lightning
+(``Trainer(devices=1)``) beside the same model in a plain loop, so its difference can be set against the
+pipelined ratio. Results go to bench/results/bench_pp_peers.{json,md}.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import RESULTS, launch_script, load_average, machine_info, machine_line, md_table, text_table  # noqa: E402
+
+import torch  # noqa: E402
+
+LAYERS, SEQ, BATCH, MICROBATCHES, VOCAB, LR = 8, 64, 16, 4, 1000, 1e-3
+
+
+def _bert(hidden: int):
+    from transformers import AutoModelForSequenceClassification, BertConfig
+
+    config = BertConfig(vocab_size=VOCAB, hidden_size=hidden, num_hidden_layers=LAYERS, num_attention_heads=4,
+                        intermediate_size=4 * hidden, max_position_embeddings=SEQ, num_labels=2,
+                        hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    torch.manual_seed(0)
+    return AutoModelForSequenceClassification.from_config(config)
+
+
+def _batches(steps: int) -> torch.utils.data.DataLoader:
+    g = torch.Generator().manual_seed(1)
+    ids, labels = torch.randint(0, VOCAB, (steps * BATCH, SEQ), generator=g), torch.randint(0, 2, (steps * BATCH,), generator=g)
+    return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(ids, labels), batch_size=BATCH)
+
+
+class _Stage(torch.nn.Module):
+    """Stage ``rank`` of ``pp`` of a BertForSequenceClassification, cut by hand for torch's pipelining."""
+
+    def __init__(self, model, rank: int, pp: int) -> None:
+        super().__init__()
+        per = LAYERS // pp
+        self.first, self.last = rank == 0, rank == pp - 1
+        self.embeddings = model.bert.embeddings if self.first else None
+        self.layers = torch.nn.ModuleList(model.bert.encoder.layer[rank * per:(rank + 1) * per])
+        self.pooler = model.bert.pooler if self.last else None
+        self.classifier = model.classifier if self.last else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.embeddings(input_ids=x) if self.first else x
+        for layer in self.layers:
+            h = layer(h)
+        return self.classifier(self.pooler(h)) if self.last else h
+
+
+def _lightning_worker(cfg: dict, rank: int) -> dict:
+    import lightning as L
+    from lightning.pytorch.callbacks import Callback
+
+    class Classifier(L.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.model = _bert(cfg["hidden"])
+
+        def training_step(self, batch, batch_idx):
+            ids, labels = batch
+            return self.model(input_ids=ids, labels=labels).loss
+
+        def configure_optimizers(self):
+            return torch.optim.AdamW(self.parameters(), lr=LR)
+
+    class Timer(Callback):
+        def __init__(self):
+            self.step, self.cpu, self.loss = [], [], []
+
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            self._t0, self._c0 = time.perf_counter(), time.process_time()
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            self.step.append(time.perf_counter() - self._t0)
+            self.cpu.append(time.process_time() - self._c0)
+            self.loss.append(float(outputs["loss"]))
+
+    timer = Timer()
+    if cfg["pp"] > 1:
+        from megastrategy import MegatronStrategy
+
+        strategy, devices = MegatronStrategy(pp=cfg["pp"], num_microbatches=MICROBATCHES), cfg["pp"]
+    else:
+        strategy, devices = "auto", 1
+    trainer = L.Trainer(accelerator="cpu", devices=devices, strategy=strategy, max_steps=cfg["steps"], logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                        num_sanity_val_steps=0, limit_val_batches=0, callbacks=[timer], use_distributed_sampler=False)
+    trainer.fit(Classifier(), _batches(cfg["steps"]))
+    return {"step": timer.step, "cpu": timer.cpu, "loss": timer.loss}
+
+
+def _torch_worker(cfg: dict, rank: int) -> dict:
+    import torch.distributed as dist
+    import torch.nn.functional as F
+
+    model, pp = _bert(cfg["hidden"]), cfg["pp"]
+    if pp > 1:
+        from torch.distributed.pipelining import PipelineStage, Schedule1F1B
+
+        dist.init_process_group("gloo")
+        module = _Stage(model, rank, pp)
+        stage = PipelineStage(module, rank, pp, torch.device("cpu"))
+        schedule = Schedule1F1B(stage, MICROBATCHES, loss_fn=F.cross_entropy)
+    else:
+        module = model
+    opt = torch.optim.AdamW(module.parameters(), lr=LR)
+    times, cpu, losses = [], [], []
+    for ids, labels in _batches(cfg["steps"]):
+        t0, c0 = time.perf_counter(), time.process_time()
+        opt.zero_grad()
+        if pp > 1:
+            out: list = []
+            schedule.step(*((ids,) if rank == 0 else ()), target=labels if rank == pp - 1 else None,
+                          losses=out if rank == pp - 1 else None)
+            loss = sum(float(v) for v in out) / MICROBATCHES if out else float("nan")
+        else:
+            output = module(input_ids=ids, labels=labels)
+            output.loss.backward()
+            loss = float(output.loss)
+        opt.step()
+        times.append(time.perf_counter() - t0)
+        cpu.append(time.process_time() - c0)
+        losses.append(loss)
+    if pp > 1:
+        dist.destroy_process_group()
+    return {"step": times, "cpu": cpu, "loss": losses}
+
+
+def worker(cfg: dict) -> None:
+    import os
+
+    torch.set_num_threads(1)
+    rank = int(os.environ.get("RANK", 0))
+    result = (_lightning_worker if cfg["side"] == "ours" else _torch_worker)(cfg, rank)
+    Path(f"{cfg['out']}.rank{rank}.json").write_text(json.dumps(result))
+
+
+def run(cfg: dict, timeout: float) -> dict:
+    out = Path(tempfile.mkdtemp(prefix="megabench-peers-")) / "run"
+    cfg = dict(cfg, out=str(out))
+    launch_script(Path(__file__).resolve(), cfg["pp"], ["--worker", json.dumps(cfg)], timeout)
+    ranks = [json.loads(Path(f"{out}.rank{r}.json").read_text()) for r in range(cfg["pp"])]
+    w = cfg["warmup"]
+    return {"median_ms": max(statistics.median(r["step"][w:]) for r in ranks) * 1e3,
+            "cpu_ms": [statistics.median(r["cpu"][w:]) * 1e3 for r in ranks], "loss": ranks[-1]["loss"]}
+
+
+def _best_of(cfg: dict, sides: tuple[str, str], repeats: int, timeout: float) -> dict[str, dict]:
+    best: dict[str, dict] = {}
+    for _ in range(repeats):
+        for side in sides:
+            r = run(dict(cfg, side=side), timeout)
+            cpu = ", ".join(f"{c:.1f}" for c in r["cpu_ms"])
+            print(f"  [{side} pp={cfg['pp']} h{cfg['hidden']}: median step {r['median_ms']:.1f} ms, cpu per rank {cpu} ms]",
+                  flush=True)
+            if side not in best or r["median_ms"] < best[side]["median_ms"]:
+                best[side] = r
+    return best
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--worker", help=argparse.SUPPRESS)
+    p.add_argument("--pp", type=int, nargs="+", default=[2, 4])
+    p.add_argument("--hidden", type=int, nargs="+", default=[256, 64])
+    p.add_argument("--steps", type=int, default=25)
+    p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--timeout", type=float, default=600)
+    p.add_argument("--skip-loop", action="store_true", help="skip the one-process Lightning-vs-plain-loop table")
+    args = p.parse_args()
+    if args.worker:
+        return worker(json.loads(args.worker))
+    base = {"steps": args.steps, "warmup": args.warmup}
+    rows, raw = [], {}
+    for pp in args.pp:
+        for hidden in args.hidden:
+            best = _best_of(dict(base, pp=pp, hidden=hidden), ("ours", "torch"), args.repeats, args.timeout)
+            ours, theirs = best["ours"], best["torch"]
+            gap = max(abs(a - b) for a, b in zip(ours["loss"], theirs["loss"]))
+            rows.append([f"pp={pp}, h{hidden}", f"{ours['median_ms']:.1f}", f"{theirs['median_ms']:.1f}",
+                         f"{ours['median_ms'] / theirs['median_ms']:.2f}x",
+                         f"{max(ours['cpu_ms']):.1f} / {max(theirs['cpu_ms']):.1f}", f"{gap:.1e}"])
+            raw[f"pp{pp}_h{hidden}"] = best
+    loop_rows = []
+    for hidden in [] if args.skip_loop else args.hidden:
+        best = _best_of(dict(base, pp=1, hidden=hidden), ("ours", "torch"), args.repeats, args.timeout)
+        lightning, plain = best["ours"]["median_ms"], best["torch"]["median_ms"]
+        loop_rows.append([f"h{hidden}, 1 process", f"{lightning:.1f}", f"{plain:.1f}", f"{lightning - plain:+.1f}"])
+        raw[f"loop_h{hidden}"] = best
+    info = machine_info()
+    head = [machine_line(info), f"load before: {load_average()}",
+            f"BertForSequenceClassification, {LAYERS} layers, batch {BATCH} x seq {SEQ}, {MICROBATCHES} microbatches, "
+            f"best of {args.repeats} interleaved runs, median of {args.steps - args.warmup} steps after {args.warmup}"]
+    headers = ["layout", "ours: Lightning + MegatronStrategy (ms)", "torch Schedule1F1B, plain loop (ms)",
+               "ours / torch", "CPU ms per step, busiest rank: ours / torch", "max loss diff"]
+    loop_headers = ["Lightning's own loop", "plain Lightning (ms)", "plain loop (ms)", "Lightning's cost (ms)"]
+    print("\n".join(head))
+    print(text_table(headers, rows))
+    print(text_table(loop_headers, loop_rows))
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    (RESULTS / "bench_pp_peers.json").write_text(json.dumps({"machine": info, "runs": raw}, indent=1))
+    (RESULTS / "bench_pp_peers.md").write_text("\n\n".join(head + [md_table(headers, rows), md_table(loop_headers, loop_rows)]) + "\n")
+
+
+if __name__ == "__main__":
+    main()

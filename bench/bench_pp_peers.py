@@ -8,9 +8,10 @@ What a user would pick instead of this project for pipeline parallelism is torch
 sides train the same ``BertForSequenceClassification`` (8 layers, built by ``from_config`` from the same
 seed, loss computed inside with ``labels=``; torch's side cuts the same modules into stages by hand), on
 the same batches (16 sequences of 64 tokens, 4 microbatches), with AdamW, on the same processes (gloo,
-one thread each). Per case: the median step time of each side (``ours``: Lightning's
+one thread each). Per case: the median training step time of each side (``ours``: Lightning's
 ``on_train_batch_start`` to ``on_train_batch_end``, i.e. forward, backward and optimizer step; ``torch``:
-the same three in its loop), their ratio, and the largest difference between the two sides' per-step
+the same three in its loop), their ratio, the forward-only step (Lightning's ``validate`` beside
+torch's ``schedule.eval``), and the largest difference between the two sides' per-step training
 losses. Runs are interleaved (ours, torch, ours, torch...) and the best median of each side is kept.
 
 A plain loop does not pay for Lightning's own loop (hooks, closures, logging, progress tracking). The
@@ -84,12 +85,16 @@ def _lightning_worker(cfg: dict, rank: int) -> dict:
             ids, labels = batch
             return self.model(input_ids=ids, labels=labels).loss
 
+        def validation_step(self, batch, batch_idx):
+            ids, labels = batch
+            return self.model(input_ids=ids, labels=labels).loss
+
         def configure_optimizers(self):
             return torch.optim.AdamW(self.parameters(), lr=LR)
 
     class Timer(Callback):
         def __init__(self):
-            self.step, self.cpu, self.loss = [], [], []
+            self.step, self.cpu, self.loss, self.val = [], [], [], []
 
         def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
             self._t0, self._c0 = time.perf_counter(), time.process_time()
@@ -98,6 +103,12 @@ def _lightning_worker(cfg: dict, rank: int) -> dict:
             self.step.append(time.perf_counter() - self._t0)
             self.cpu.append(time.process_time() - self._c0)
             self.loss.append(float(outputs["loss"]))
+
+        def on_validation_batch_start(self, trainer, pl_module, batch, batch_idx, dataloader_idx=0):
+            self._v0 = time.perf_counter()
+
+        def on_validation_batch_end(self, trainer, pl_module, outputs, batch, batch_idx, dataloader_idx=0):
+            self.val.append(time.perf_counter() - self._v0)
 
     timer = Timer()
     if cfg["pp"] > 1:
@@ -108,9 +119,11 @@ def _lightning_worker(cfg: dict, rank: int) -> dict:
         strategy, devices = "auto", 1
     trainer = L.Trainer(accelerator="cpu", devices=devices, strategy=strategy, max_steps=cfg["steps"], logger=False,
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                        num_sanity_val_steps=0, limit_val_batches=0, callbacks=[timer], use_distributed_sampler=False)
-    trainer.fit(Classifier(), _batches(cfg["steps"]))
-    return {"step": timer.step, "cpu": timer.cpu, "loss": timer.loss}
+                        num_sanity_val_steps=0, callbacks=[timer], use_distributed_sampler=False)
+    module = Classifier()
+    trainer.fit(module, _batches(cfg["steps"]))
+    trainer.validate(module, _batches(cfg["steps"]), verbose=False)
+    return {"step": timer.step, "cpu": timer.cpu, "loss": timer.loss, "val": timer.val}
 
 
 def _torch_worker(cfg: dict, rank: int) -> dict:
@@ -145,9 +158,25 @@ def _torch_worker(cfg: dict, rank: int) -> dict:
         times.append(time.perf_counter() - t0)
         cpu.append(time.process_time() - c0)
         losses.append(loss)
+    val = _torch_validation(schedule if pp > 1 else module, rank, pp, cfg["steps"])
     if pp > 1:
         dist.destroy_process_group()
-    return {"step": times, "cpu": cpu, "loss": losses}
+    return {"step": times, "cpu": cpu, "loss": losses, "val": val}
+
+
+def _torch_validation(runner, rank: int, pp: int, steps: int) -> list[float]:
+    """Forward-only steps: ``schedule.eval`` (pipelined) or the module under ``no_grad``."""
+    times = []
+    with torch.no_grad():
+        for ids, labels in _batches(steps):
+            t0 = time.perf_counter()
+            if pp > 1:
+                runner.eval(*((ids,) if rank == 0 else ()), target=labels if rank == pp - 1 else None,
+                            losses=[] if rank == pp - 1 else None)
+            else:
+                runner(input_ids=ids, labels=labels)
+            times.append(time.perf_counter() - t0)
+    return times
 
 
 def worker(cfg: dict) -> None:
@@ -166,6 +195,7 @@ def run(cfg: dict, timeout: float) -> dict:
     ranks = [json.loads(Path(f"{out}.rank{r}.json").read_text()) for r in range(cfg["pp"])]
     w = cfg["warmup"]
     return {"median_ms": max(statistics.median(r["step"][w:]) for r in ranks) * 1e3,
+            "val_ms": max(statistics.median(r["val"][w:]) for r in ranks) * 1e3,
             "cpu_ms": [statistics.median(r["cpu"][w:]) * 1e3 for r in ranks], "loss": ranks[-1]["loss"]}
 
 
@@ -175,7 +205,8 @@ def _best_of(cfg: dict, sides: tuple[str, str], repeats: int, timeout: float) ->
         for side in sides:
             r = run(dict(cfg, side=side), timeout)
             cpu = ", ".join(f"{c:.1f}" for c in r["cpu_ms"])
-            print(f"  [{side} pp={cfg['pp']} h{cfg['hidden']}: median step {r['median_ms']:.1f} ms, cpu per rank {cpu} ms]",
+            print(f"  [{side} pp={cfg['pp']} h{cfg['hidden']}: median step {r['median_ms']:.1f} ms, cpu per rank {cpu} ms, "
+                  f"validation step {r['val_ms']:.1f} ms]",
                   flush=True)
             if side not in best or r["median_ms"] < best[side]["median_ms"]:
                 best[side] = r
@@ -204,6 +235,7 @@ def main() -> None:
             gap = max(abs(a - b) for a, b in zip(ours["loss"], theirs["loss"]))
             rows.append([f"pp={pp}, h{hidden}", f"{ours['median_ms']:.1f}", f"{theirs['median_ms']:.1f}",
                          f"{ours['median_ms'] / theirs['median_ms']:.2f}x",
+                         f"{ours['val_ms']:.1f} / {theirs['val_ms']:.1f} = {ours['val_ms'] / theirs['val_ms']:.2f}x",
                          f"{max(ours['cpu_ms']):.1f} / {max(theirs['cpu_ms']):.1f}", f"{gap:.1e}"])
             raw[f"pp{pp}_h{hidden}"] = best
     loop_rows = []
@@ -217,7 +249,7 @@ def main() -> None:
             f"BertForSequenceClassification, {LAYERS} layers, batch {BATCH} x seq {SEQ}, {MICROBATCHES} microbatches, "
             f"best of {args.repeats} interleaved runs, median of {args.steps - args.warmup} steps after {args.warmup}"]
     headers = ["layout", "ours: Lightning + MegatronStrategy (ms)", "torch Schedule1F1B, plain loop (ms)",
-               "ours / torch", "CPU ms per step, busiest rank: ours / torch", "max loss diff"]
+               "ours / torch", "forward-only (validation) ms: ours / torch", "CPU ms per step, busiest rank: ours / torch", "max loss diff"]
     loop_headers = ["Lightning's own loop", "plain Lightning (ms)", "plain loop (ms)", "Lightning's cost (ms)"]
     print("\n".join(head))
     print(text_table(headers, rows))

@@ -1,6 +1,7 @@
 """B then W on unchanged modules gives exactly the gradients of one whole backward."""
 import pytest
 import torch
+import torch.utils.checkpoint
 from torch import nn
 
 from megastrategy.pipeline.split_backward import backward_input
@@ -34,7 +35,20 @@ def mlp():
     return nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 8), nn.ReLU(), nn.Linear(8, 8))
 
 
-MODELS = {"mlp": mlp, "shared": SharedTwice, "attention": Attention}
+class Recomputed(nn.Module):
+    """Blocks under non-reentrant activation checkpointing (what activation_checkpointing uses)."""
+
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList([mlp(), mlp()])
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False)
+        return x
+
+
+MODELS = {"mlp": mlp, "shared": SharedTwice, "attention": Attention, "recomputed": Recomputed}
 
 
 def grads(model):

@@ -85,3 +85,20 @@ def test_w_before_its_b_deadlocks():
 def test_bad_rank():
     with pytest.raises(MegatronConfigError, match="pp_rank=4"):
         zb_h1_steps(8, 4, 4)
+
+
+def test_per_rank_step_times():
+    """The first stage has no input gradient to compute: B costs nothing there, W all of the backward."""
+    from megastrategy.pipeline import ScheduleStep
+
+    def cost(rank: int, step: ScheduleStep) -> float:
+        if step.kind == "F":
+            return 1.0
+        if rank == 0:
+            return 0.0 if step.kind == "B" else 2.0
+        return 1.0
+
+    orders = [zb_h1_steps(8, 4, r) for r in range(4)]
+    stats = simulate_steps(orders, step_time=cost)
+    assert stats.busy == pytest.approx([24.0] * 4)
+    assert stats.makespan <= 27.0

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Callable, Sequence
 
 from megastrategy.errors import MegatronConfigError
 from megastrategy.pipeline.layer_assignment import check_positive_int
@@ -90,11 +90,14 @@ def simulate_steps(
     group_size: int | None = None,
     input_grad_time: float | None = None,
     weight_grad_time: float | None = None,
+    step_time: Callable[[int, ScheduleStep], float] | None = None,
 ) -> ScheduleStats:
     """Simulate arbitrary per-rank orders (one list of ``(is_forward, chunk, microbatch[, part])`` per rank).
 
     ``input_grad_time``/``weight_grad_time``: the cost of a split backward's B and W (default:
     half of ``backward_time`` each; W defaults to what B leaves of ``backward_time``).
+    ``step_time(rank, step)``: the cost of each step instead (e.g. measured per rank and kind:
+    the first stage's B has no input gradient to compute, the last stage's F includes the loss).
 
     A step's start time depends only on when its dependencies and its rank's previous step
     finished, so ranks are advanced in any order until all are done or none can move
@@ -114,7 +117,8 @@ def simulate_steps(
         if value < 0:
             raise MegatronConfigError(f"{name}={value} must be >= 0.")
     orders = _parse_orders(steps_per_rank, vp_size)
-    sim = _Simulation(orders, vp_size, durations, p2p_time)
+    sim = _Simulation(orders, vp_size, step_time or (lambda rank, step: durations["F" if step.is_forward else step.part]),
+                      p2p_time)
     sim.run()
 
     makespan = max(sim.free_at) if pp_size else 0.0
@@ -159,11 +163,11 @@ _Key = tuple[str, int, int]
 class _Simulation:
     """Event-free simulation state: when each finished step ended and where each rank is."""
 
-    def __init__(self, orders: list[list[ScheduleStep]], vp_size: int, durations: dict, p2p_time: float) -> None:
+    def __init__(self, orders: list[list[ScheduleStep]], vp_size: int, step_time: Callable, p2p_time: float) -> None:
         self.orders = orders
         self.pp_size = len(orders)
         self.num_stages = self.pp_size * vp_size
-        self.durations, self.p2p_time = durations, p2p_time
+        self.step_time, self.p2p_time = step_time, p2p_time
         self.done: dict[_Key, float] = {}  # -> end time
         self.position = [0] * self.pp_size
         self.free_at = [0.0] * self.pp_size
@@ -202,7 +206,7 @@ class _Simulation:
                 break
             arrivals = [self.done[key] + (self.p2p_time if cross else 0.0) for key, cross in deps]
             start = max([self.free_at[rank]] + arrivals)
-            end = start + self.durations["F" if step.is_forward else step.part]
+            end = start + self.step_time(rank, step)
             self.done[(step.kind, _stage(rank, step.chunk, self.pp_size), step.microbatch)] = end
             self.timeline[rank].append(
                 StepTiming(rank, self.position[rank], step.is_forward, step.chunk, step.microbatch, start, end, step.part)

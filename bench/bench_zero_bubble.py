@@ -2,6 +2,7 @@
 
     OMP_NUM_THREADS=1 python bench/bench_zero_bubble.py            # pp=2 and pp=4, M=8
     python bench/bench_zero_bubble.py --steps 4 --repeats 1         # shorter
+    python bench/bench_zero_bubble.py --split-only                  # only the one-process B/W cost
 
 The model, data and loss are bench_pp.py's (L=8 pre-LN MLP blocks, hidden 256, FFN 4h, fp32, MSE),
 on real processes (gloo over 127.0.0.1, one thread each). Per pipeline size it runs, interleaved:
@@ -188,6 +189,32 @@ def summarize(pp: int, m: int, impl: str, ranks: list[dict], ref: dict) -> dict:
     return out
 
 
+def split_cost(mb: int, seq: int, layers: int, repeats: int) -> dict[str, float]:
+    """One process, one stage of ``layers`` blocks: milliseconds of a whole backward, of B + W with
+    W restarting from B's recorded gradients, and of B + W replaying the backward (min over
+    ``repeats`` interleaved runs), plus B's own share."""
+    from megastrategy.pipeline.split_backward import backward_input
+
+    blocks = nn.Sequential(*list(bench_pp.build_blocks())[:layers])
+    x = torch.randn(mb, seq, bench_pp.HIDDEN)
+    grad = torch.randn(mb, seq, bench_pp.HIDDEN)
+    best: dict[str, float] = defaultdict(lambda: float("inf"))
+    for _ in range(repeats):
+        for variant in ("whole", "split", "replay"):
+            inp = x.clone().requires_grad_(True)
+            out = blocks(inp)
+            t0 = time.perf_counter()
+            if variant == "whole":
+                torch.autograd.backward(out, grad)
+            else:
+                w = backward_input(out, grad, inp, reuse_saved_gradients=variant == "split")
+                best[f"{variant} B"] = min(best[f"{variant} B"], time.perf_counter() - t0)
+                w.run()
+            best[variant] = min(best[variant], time.perf_counter() - t0)
+            blocks.zero_grad(set_to_none=True)
+    return {k: v * 1e3 for k, v in best.items()}
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--pp", type=int, nargs="+", default=[2, 4])
@@ -199,13 +226,20 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=2, help="interleaved runs per implementation; best median kept")
     p.add_argument("--impls", nargs="+", default=IMPLS)
     p.add_argument("--timeout", type=float, default=300)
+    p.add_argument("--split-only", action="store_true", help="only the one-process backward cost table")
     p.add_argument("--out-dir", type=Path, default=common.RESULTS)
     a = p.parse_args()
     info = common.machine_info()
     report = common.Report("bench_zero_bubble", "Zero-bubble pipeline schedules", info, vars(a) | {"out_dir": None})
-    ref = bench_pp.serial_reference(a.microbatches, a.mb, a.seq)
+    cost = split_cost(a.mb, a.seq, bench_pp.LAYERS // 2, repeats=30)
+    report.table("Backward of one stage (4 blocks), one process: whole vs split (min of 30 interleaved runs)",
+                 ["variant", "ms", "/ whole", "of which B ms"],
+                 [["whole backward", cost["whole"], 1.0, None],
+                  ["B + W, W from recorded gradients", cost["split"], cost["split"] / cost["whole"], cost["split B"]],
+                  ["B + W, W replays the backward", cost["replay"], cost["replay"] / cost["whole"], cost["replay B"]]])
+    ref = bench_pp.serial_reference(a.microbatches, a.mb, a.seq) if not a.split_only else None
     best: dict[tuple[int, str], dict] = {}
-    for rep in range(a.repeats):
+    for rep in range(0 if a.split_only else a.repeats):
         for pp in a.pp:
             for impl in a.impls:
                 worker = ours_worker if impl.startswith("ours") else torch_worker
@@ -216,7 +250,8 @@ def main() -> None:
                       f"{common.load_average()}]", flush=True)
                 if (pp, impl) not in best or r["step_ms"] < best[(pp, impl)]["step_ms"]:
                     best[(pp, impl)] = r
-    _tables(report, a, best)
+    if best:
+        _tables(report, a, best)
     js, md = report.save(a.out_dir)
     print(f"wrote {js} and {md}")
 

@@ -1,7 +1,8 @@
-"""Draw the 1F1B and interleaved 1F1B timelines used in the docs (pp=4, m=8).
+"""Draw the 1F1B, interleaved 1F1B and ZB-H1 timelines used in the docs (pp=4, m=8).
 
 Run from the repository root:  python bench/draw_schedules.py [output_dir]
-Chunk times are the stage times divided by vp, so both pictures show the same model.
+Chunk times are the stage times divided by vp, and ZB-H1's B and W are each half a backward,
+so all pictures show the same model.
 """
 
 from __future__ import annotations
@@ -21,6 +22,10 @@ def main(out_dir: Path) -> None:
         draw_timeline(stats, out_dir / name, f"{label}: pp={PP}, vp={vp}, m={M}, backward = 2 x forward")
         print(f"{name}: makespan {stats.makespan:g}, bubble {stats.bubble_fraction:.4f}, "
               f"peak in-flight per rank {stats.peak_in_flight}")
+    stats = simulate_schedule(M, PP, forward_time=FORWARD, backward_time=BACKWARD, schedule="zb_h1")
+    draw_timeline(stats, out_dir / "schedule_zb_h1.png", f"ZB-H1: pp={PP}, m={M}, F = B = W")
+    print(f"schedule_zb_h1.png: makespan {stats.makespan:g}, bubble {stats.bubble_fraction:.4f}, "
+          f"idle per rank {stats.idle}, peak in-flight per rank {stats.peak_in_flight}")
 
 
 if __name__ == "__main__":

@@ -175,7 +175,8 @@ class Component:
         pass
 
     def on_backward(self, chunk: int, microbatch: int) -> None:
-        pass
+        """After the microbatch's backward is complete: its whole backward, or under a zero-bubble
+        schedule its deferred weight-gradient step (W), when nothing of its forward is needed any more."""
 
     def end_step(self, module: nn.Module, step: StepInfo) -> None:
         pass

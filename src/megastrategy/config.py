@@ -23,6 +23,7 @@ from megastrategy.layers.recompute import validate_recompute_mode
 from megastrategy.layers.sequence_parallel import validate_sequence_parallel
 from megastrategy.layers.te_backend import BACKENDS
 from megastrategy.parallel_state import DEFAULT_ORDER, ParallelLayout
+from megastrategy.pipeline.schedule_choice import validate_pipeline_schedule
 
 __all__ = ["MegatronConfig", "CONSTRUCTOR_RULES", "Rule", "split_strategy_arguments"]
 
@@ -37,6 +38,7 @@ class Rule(NamedTuple):
 
 
 _BAD_VALUES = "bad argument values (`tp=0`, `tp_plan` not a dict, ...)"
+_ZB_ROW = "unknown `pipeline_schedule`, or `\"zb_h1\"` without `pp > 1`, with `vp` or with `cuda_graph_scope`"
 CONSTRUCTOR_RULES: tuple[Rule, ...] = (
     Rule("tp", {"tp": 0}, _BAD_VALUES),
     Rule("pp", {"pp": -1}, _BAD_VALUES),
@@ -61,6 +63,10 @@ CONSTRUCTOR_RULES: tuple[Rule, ...] = (
          "unknown `cuda_graph_scope` name, `moe_preprocess` without `moe_router`, graphs with full recompute"),
     Rule("cuda_graph_scope", {"cuda_graph_scope": ["attn"], "activation_checkpointing": "full"},
          "unknown `cuda_graph_scope` name, `moe_preprocess` without `moe_router`, graphs with full recompute"),
+    Rule("pipeline_schedule", {"pp": 2, "pipeline_schedule": "gpipe"}, _ZB_ROW),
+    Rule("pipeline_schedule", {"pp": 1, "pipeline_schedule": "zb_h1"}, _ZB_ROW),
+    Rule("pipeline_schedule", {"pp": 2, "vp": 2, "pipeline_schedule": "zb_h1"}, _ZB_ROW),
+    Rule("pipeline_schedule", {"pp": 2, "pipeline_schedule": "zb_h1", "cuda_graph_scope": ["attn"]}, _ZB_ROW),
 )
 
 @dataclass(frozen=True)
@@ -70,6 +76,8 @@ class MegatronConfig:
     Args:
         tp: tensor-parallel size; every layer the plan names is split over ``tp`` ranks.
         pp, vp: pipeline stages, and virtual chunks per stage (interleaved schedule).
+        pipeline_schedule: ``"1f1b"`` (interleaved when ``vp > 1``) or ``"zb_h1"`` (zero bubble:
+            each backward split into the input gradient and a deferred weight gradient; vp=None).
         cp: context-parallel size: every training sequence is split over ``cp`` ranks (evaluation
             runs unsplit). cp_layout: ``"balanced"`` (``2·cp`` chunks, equal causal work),
             ``"contiguous"`` or ``"auto"`` (contiguous for bidirectional models). cp_output:
@@ -104,6 +112,7 @@ class MegatronConfig:
     tp: int = 1
     pp: int = 1
     vp: Optional[int] = None
+    pipeline_schedule: str = "1f1b"
     cp: int = 1
     cp_layout: str = "auto"
     cp_output: str = "auto"
@@ -186,6 +195,14 @@ class MegatronConfig:
         if self.backend not in BACKENDS:
             raise MegatronConfigError(f"backend={self.backend!r}: use one of {', '.join(map(repr, BACKENDS))}.")
         validate_fp8(self.fp8, self.backend)
+        validate_pipeline_schedule(self.pipeline_schedule, self.pp, self.vp_size)
+        if self.pipeline_schedule != "1f1b" and self.cuda_graph_scope:
+            raise MegatronConfigError(
+                f"MegatronStrategy(pipeline_schedule={self.pipeline_schedule!r}, cuda_graph_scope="
+                f"{self.cuda_graph_scope!r}): a captured graph's backward computes input and weight gradients in one "
+                "replay of static buffers, which the deferred weight-gradient step would replay again after other "
+                "microbatches reused them. Use pipeline_schedule='1f1b' with CUDA graphs, or cuda_graph_scope=None."
+            )
 
     # ------------------------------------------------------------------ derived
     @property

@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch import nn
 
-from megastrategy.pipeline import assign_layers, forward_only_steps, schedule_steps, simulate_schedule
+from megastrategy.pipeline import assign_layers, forward_only_steps, schedule_steps, simulate_schedule, training_steps
 from megastrategy.pipeline.executor import PipelineExecutor
 from megastrategy.pipeline.p2p import PipelineCommunicator
 from tests.helpers.dist import run_distributed
@@ -47,7 +47,8 @@ def serial_reference(num_layers: int, inputs: list[torch.Tensor]):
     return losses, [(lin.weight.grad.clone(), lin.bias.grad.clone()) for lin in layers]
 
 
-def pipeline_run(comm, pp, rank, vp, M, *, varlen=False, overlap=False, forward_only=False, deallocate=True):
+def pipeline_run(comm, pp, rank, vp, M, *, varlen=False, overlap=False, forward_only=False, deallocate=True,
+                 schedule="1f1b", reuse=True):
     num_layers = 2 * pp * vp
     layers = make_layers(num_layers)
     mine = assign_layers(num_layers, pp, vp)[rank]
@@ -66,8 +67,9 @@ def pipeline_run(comm, pp, rank, vp, M, *, varlen=False, overlap=False, forward_
         sent.append(x)
         return x
 
-    ex = PipelineExecutor(comm, pp_size=pp, pp_rank=rank, vp_size=vp, overlap_p2p_comm=overlap, deallocate_outputs=deallocate)
-    steps = forward_only_steps(M, vp) if forward_only else schedule_steps(M, pp, rank, vp)
+    ex = PipelineExecutor(comm, pp_size=pp, pp_rank=rank, vp_size=vp, overlap_p2p_comm=overlap,
+                          deallocate_outputs=deallocate, reuse_saved_gradients=reuse)
+    steps = forward_only_steps(M, vp) if forward_only else training_steps(schedule, M, pp, rank, vp)
     outs = ex.run(steps, forward_step=forward_step, num_microbatches=M, forward_only=forward_only, loss_scale=1.0 / M)
     return ex, outs, layers, mine, inputs, sent
 
@@ -132,6 +134,13 @@ def _worker(rank: int, world: int) -> dict:
                 assert len(sent) == (M * vp if stage != pp - 1 else M * (vp - 1))
                 assert all(x.untyped_storage().nbytes() == 4 for x in sent)
                 assert ex.last_run["freed_bytes"] == sum(x.numel() * 4 for x in sent)
+        if vp == 1:  # ZB-H1: B then deferred W, same losses and gradients as the serial model
+            for overlap, reuse in ((False, True), (True, True), (False, False)):
+                ex, outs, layers, mine, inputs, _ = pipeline_run(comm, pp, stage, vp, M, overlap=overlap,
+                                                                 schedule="zb_h1", reuse=reuse)
+                check_against_serial(pp, stage, vp, M, ex, outs, layers, mine, inputs)
+                assert ex.peak_in_flight == simulate_schedule(M, pp, schedule="zb_h1").peak_in_flight[stage]
+                assert ex.last_run["backwards"] == ex.last_run["weight_steps"] == M
         for overlap in (False, True):
             ex, outs, layers, mine, inputs, _ = pipeline_run(comm, pp, stage, vp, M, forward_only=True, overlap=overlap)
             check_against_serial(pp, stage, vp, M, ex, outs, layers, mine, inputs, forward_only=True)
@@ -193,6 +202,16 @@ def test_bad_schedules_and_outputs():
         ex.run([(False, 0, 0)], forward_step=lambda c, m, x: w.sum(), num_microbatches=1)
     with pytest.raises(ValueError, match="forwards without a backward"):
         ex.run([(True, 0, 0)], forward_step=lambda c, m, x: w.sum(), num_microbatches=1)
+    from megastrategy.pipeline import StepPart
+
+    split = [(True, 0, 0), (False, 0, 0, StepPart.WEIGHT), (False, 0, 0, StepPart.INPUT)]
+    with pytest.raises(ValueError, match="weight-gradient step before the input-gradient step"):
+        ex.run(split, forward_step=lambda c, m, x: w.sum(), num_microbatches=1)
+    with pytest.raises(ValueError, match=r"B then W\) at \(chunk, microbatch\) \[\(0, 0\)\]"):
+        ex.run(split[:1] + split[2:], forward_step=lambda c, m, x: w.sum(), num_microbatches=1)
+    with pytest.raises(ValueError, match="backward_fn replaces a whole backward"):
+        ex.run(training_steps("zb_h1", 1, 1, 0), forward_step=lambda c, m, x: w.sum(), num_microbatches=1,
+               backward_fn=lambda loss: None)
     with pytest.raises(ValueError, match="scalar loss"):
         ex.run(schedule_steps(1, 1, 0), forward_step=lambda c, m, x: w * 2, num_microbatches=1)
     with pytest.raises(TypeError, match="must return a Tensor"):

@@ -6,6 +6,7 @@ import pytest
 from megastrategy.errors import MegatronConfigError
 from megastrategy.pipeline import (
     ScheduleStep,
+    StepPart,
     forward_only_order,
     forward_only_steps,
     num_warmup_steps,
@@ -123,7 +124,8 @@ def test_step_code_matches_order():
 @pytest.mark.parametrize("m,pp,vp,group", GRID)
 def test_matches_reference(m, pp, vp, group):
     for rank in range(pp):
-        got = [tuple(s) for s in schedule_steps(m, pp, rank, vp, group)]
+        got = [tuple(s[:3]) for s in schedule_steps(m, pp, rank, vp, group)]
+        assert {s.part for s in schedule_steps(m, pp, rank, vp, group)} == {StepPart.WHOLE}
         assert got == reference_steps(m, pp, rank, vp, group), (m, pp, vp, group, rank)
 
 

@@ -24,11 +24,15 @@ from tests.helpers.models import MODELS  # noqa: E402
 class Recorder(Callback):
     def __init__(self):
         self.train_loss, self.val_loss, self.metrics, self.progress = [], [], [], []
+        self.early_bucket_starts = 0
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         self.train_loss.append(float(outputs["loss"]))
         self.metrics.append({k: float(v) for k, v in trainer.callback_metrics.items()})
         self.progress.append({k: float(v) for k, v in trainer.progress_bar_metrics.items()})
+        component = getattr(trainer.strategy, "component", lambda kind: None)
+        buffer = getattr(component(_component_type("ddp.component", "GradientBuffers")), "buffer", None)
+        self.early_bucket_starts = buffer.num_early_starts if buffer is not None else 0  # buckets reduced during backward
 
     def on_validation_epoch_end(self, trainer, pl_module):
         if "val_loss" in trainer.callback_metrics and not trainer.sanity_checking:
@@ -132,6 +136,7 @@ def main() -> None:
     p.add_argument("--accumulate", type=int, default=1)
     p.add_argument("--distributed-optimizer", action="store_true", help="MegatronStrategy(use_distributed_optimizer=True)")
     p.add_argument("--overlap-grad-reduce", action="store_true", help="MegatronStrategy(overlap_grad_reduce=True)")
+    p.add_argument("--pipeline-schedule", help="MegatronStrategy(pipeline_schedule=...)")
     p.add_argument("--async-checkpoint", action="store_true", help="MegatronStrategy(async_checkpoint=True)")
     p.add_argument("--bucket-numel", type=int, help="MegatronStrategy(bucket_numel=...)")
     p.add_argument("--sequence-parallel", action="store_true", help="MegatronStrategy(sequence_parallel=True)")
@@ -173,6 +178,8 @@ def main() -> None:
             extra["bucket_numel"] = args.bucket_numel
         if args.async_checkpoint:
             extra["async_checkpoint"] = True
+        if args.pipeline_schedule:
+            extra["pipeline_schedule"] = args.pipeline_schedule
         if args.distributed_optimizer or args.overlap_grad_reduce:
             extra.update(use_distributed_optimizer=args.distributed_optimizer, overlap_grad_reduce=args.overlap_grad_reduce)
         if args.sequence_parallel or args.recompute:
@@ -250,6 +257,7 @@ def main() -> None:
     guard = component(_component_type("ddp.nonfinite_guard", "NonFiniteGuard"))
     result["skipped_steps"] = guard.skipped_steps if guard is not None else 0
     result["optimizer"] = type(trainer.optimizers[0]).__name__
+    result["early_bucket_starts"] = rec.early_bucket_starts
     graphs = getattr(component(_component_type("cuda_graphs.component", "CudaGraphs")), "manager", None)
     if graphs is not None:
         result["cuda_graph_counts"] = dict(graphs.counts())

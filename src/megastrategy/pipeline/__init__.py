@@ -1,8 +1,10 @@
 """Pipeline parallelism: layer placement, per-rank schedules, and a timing simulator."""
 
 from megastrategy.pipeline.layer_assignment import assign_layers
+from megastrategy.pipeline.schedule_choice import PIPELINE_SCHEDULES, training_steps, validate_pipeline_schedule
 from megastrategy.pipeline.schedules import (
     ScheduleStep,
+    StepPart,
     forward_only_order,
     forward_only_steps,
     num_warmup_steps,
@@ -18,11 +20,14 @@ from megastrategy.pipeline.simulator import (
     simulate_schedule,
     simulate_steps,
 )
+from megastrategy.pipeline.zero_bubble import zb_h1_steps
 
 __all__ = [
+    "PIPELINE_SCHEDULES",
     "PipelineDeadlockError",
     "ScheduleStats",
     "ScheduleStep",
+    "StepPart",
     "StepTiming",
     "assign_layers",
     "draw_timeline",
@@ -33,7 +38,10 @@ __all__ = [
     "schedule_steps",
     "simulate_schedule",
     "simulate_steps",
+    "training_steps",
+    "validate_pipeline_schedule",
     "validate_schedule",
+    "zb_h1_steps",
 ]
 
 from megastrategy.pipeline.executor import PipelineExecutor  # noqa: E402

@@ -9,7 +9,10 @@ receives what the step needs from the neighbouring stage, calls the caller's
   is the loss on the last virtual stage, elsewhere the activation sent to the next stage;
 * backward: ``loss * loss_scale`` is backpropagated on the last virtual stage; elsewhere
   the received output gradient is backpropagated through the stored output, and the
-  input's gradient is sent to the previous stage.
+  input's gradient is sent to the previous stage;
+* split backward (zero-bubble schedules, :class:`~.schedules.StepPart`): the input-gradient
+  step B computes and sends only the input's gradient and keeps what the weight-gradient
+  step W needs (:mod:`.split_backward`); W, later, accumulates the parameter gradients.
 
 Virtual stage of (rank ``r``, chunk ``c``) is ``c * pp_size + r``; its next stage is on
 rank ``r + 1`` (the first rank after the last one), so the communicator's ring neighbours
@@ -35,6 +38,8 @@ import torch
 from torch import Tensor
 
 from megastrategy.pipeline.p2p import PipelineCommunicator, RecvHandle
+from megastrategy.pipeline.schedules import StepPart
+from megastrategy.pipeline.split_backward import WeightGradients, backward_input
 
 __all__ = ["PipelineExecutor", "LocalCommunicator"]
 
@@ -63,7 +68,9 @@ class PipelineExecutor:
     received when the step needs it). ``deallocate_outputs``: pseudo-free sent activations
     (see the module doc). After :meth:`run`, ``peak_in_flight`` is the most
     (chunk, microbatch) pairs whose forward state was held at once, and ``last_run``
-    a dict of counters (``forwards``, ``backwards``, ``freed_bytes``, ``peak_in_flight``).
+    a dict of counters (``forwards``, ``backwards``, ``weight_steps``, ``freed_bytes``,
+    ``peak_in_flight``). ``reuse_saved_gradients``: a W step restarts autograd from the
+    gradients its B recorded (``False``: W replays the backward from the output; for measuring).
     """
 
     def __init__(
@@ -75,6 +82,7 @@ class PipelineExecutor:
         vp_size: int = 1,
         overlap_p2p_comm: bool = False,
         deallocate_outputs: bool = True,
+        reuse_saved_gradients: bool = True,
     ) -> None:
         if pp_size < 1 or not 0 <= pp_rank < pp_size or vp_size < 1:
             raise ValueError(f"bad pipeline coordinates pp_size={pp_size}, pp_rank={pp_rank}, vp_size={vp_size}.")
@@ -89,6 +97,7 @@ class PipelineExecutor:
         self.vp_size = vp_size
         self.overlap_p2p_comm = overlap_p2p_comm
         self.deallocate_outputs = deallocate_outputs
+        self.reuse_saved_gradients = reuse_saved_gradients
         self.num_stages = pp_size * vp_size
         self.peak_in_flight = 0
         self.last_run: dict[str, int] = {}
@@ -109,37 +118,39 @@ class PipelineExecutor:
         return self.pp_rank == self.pp_size - 1
 
     def _needed_recv(self, step) -> str | None:
-        is_forward, chunk, _ = step
+        is_forward, chunk, _, part = step
         if is_forward:
             return None if self.is_first_stage(chunk) else "forward"
+        if part is StepPart.WEIGHT:
+            return None
         return None if self.is_last_stage(chunk) else "backward"
 
-    def _check_steps(self, steps: Sequence, num_microbatches: int, forward_only: bool) -> list[tuple[bool, int, int]]:
+    def _check_steps(self, steps: Sequence, num_microbatches: int, forward_only: bool) -> list[tuple]:
+        """``(is_forward, chunk, microbatch, part)`` per step, after checking that each forward gets
+        one whole backward, or an input-gradient step followed by a weight-gradient step."""
         out = []
-        forwards: set[tuple[int, int]] = set()
-        backwards: set[tuple[int, int]] = set()
+        done: dict[str, set[tuple[int, int]]] = {"F": set(), StepPart.WHOLE: set(), StepPart.INPUT: set(),
+                                                 StepPart.WEIGHT: set()}
         for i, step in enumerate(steps):
             is_forward, chunk, mb = bool(step[0]), int(step[1]), int(step[2])
+            part = StepPart(step[3]) if len(step) > 3 else StepPart.WHOLE
             where = f"step {i} {tuple(step)} of the schedule for pp_rank {self.pp_rank}"
             if not 0 <= chunk < self.vp_size:
                 raise ValueError(f"{where}: chunk {chunk} is outside [0, {self.vp_size}).")
             if not 0 <= mb < num_microbatches:
                 raise ValueError(f"{where}: microbatch {mb} is outside [0, {num_microbatches}).")
-            key = (chunk, mb)
-            if is_forward:
-                if key in forwards:
-                    raise ValueError(f"{where}: forward of chunk {chunk}, microbatch {mb} runs twice.")
-                forwards.add(key)
-            else:
-                if forward_only:
-                    raise ValueError(f"{where}: a backward step in a forward_only run.")
-                if key not in forwards or key in backwards:
-                    raise ValueError(f"{where}: backward without a preceding forward (or twice).")
-                backwards.add(key)
-            out.append((is_forward, chunk, mb))
-        if not forward_only and backwards != forwards:
-            missing = sorted(forwards - backwards)
-            raise ValueError(f"schedule for pp_rank {self.pp_rank}: forwards without a backward: {missing[:8]}.")
+            if not is_forward and forward_only:
+                raise ValueError(f"{where}: a backward step in a forward_only run.")
+            _check_order(where, (chunk, mb), "F" if is_forward else part, done)
+            out.append((is_forward, chunk, mb, part))
+        if not forward_only:
+            finished = done[StepPart.WHOLE] | done[StepPart.WEIGHT]
+            if finished != done["F"] or done[StepPart.INPUT] - done[StepPart.WEIGHT]:
+                missing = sorted((done["F"] - finished) | (done[StepPart.INPUT] - done[StepPart.WEIGHT]))
+                raise ValueError(
+                    f"schedule for pp_rank {self.pp_rank}: forwards without a backward (a whole one, or B then W) "
+                    f"at (chunk, microbatch) {missing[:8]}."
+                )
         return out
 
     # ------------------------------------------------------------------------------
@@ -172,16 +183,20 @@ class PipelineExecutor:
         stage's (scaled) loss: a one-stage run lets Lightning's own backward do it.
         """
         plan = self._check_steps(steps, num_microbatches, forward_only)
+        if backward_fn is not None and any(part is not StepPart.WHOLE for *_, part in plan):
+            raise ValueError("backward_fn replaces a whole backward; a split (B/W) schedule runs its own.")
         run = _ScheduleRun(self, plan, num_microbatches, forward_only, loss_scale, backward_fn)
         try:
-            for i, (is_forward, chunk, mb) in enumerate(plan):
+            for i, (is_forward, chunk, mb, part) in enumerate(plan):
                 run.post_until(i)  # this step's own receive, unless posted earlier
                 if is_forward:
                     run.forward(i, chunk, mb, forward_step, on_forward)
+                elif part is StepPart.WEIGHT:
+                    run.weight_gradients(chunk, mb)
                 else:
-                    run.backward(i, chunk, mb)
-                    if on_backward is not None:
-                        on_backward(chunk, mb)
+                    run.backward(i, chunk, mb, part)
+                if not is_forward and part is not StepPart.INPUT and on_backward is not None:
+                    on_backward(chunk, mb)
             self.comm.wait_all()
         finally:
             run.close()
@@ -198,9 +213,10 @@ class _ScheduleRun:
         self.backward_fn = backward_fn or torch.autograd.backward
         self.outputs: list = [None] * num_microbatches if ex.holds_last_stage else []
         self.stored: dict[tuple[int, int], tuple[Tensor | None, Tensor]] = {}
+        self.pending_weights: dict[tuple[int, int], WeightGradients] = {}  # B ran, W not yet
         self.handles: dict[int, RecvHandle] = {}  # step index -> posted receive
         self.recv_needed = [ex._needed_recv(s) for s in plan]
-        self.counters = {"forwards": 0, "backwards": 0, "freed_bytes": 0, "peak_in_flight": 0}
+        self.counters = {"forwards": 0, "backwards": 0, "weight_steps": 0, "freed_bytes": 0, "peak_in_flight": 0}
         self.next_to_post = 0  # receives are posted strictly in schedule order
         ex.peak_in_flight = 0
 
@@ -247,32 +263,57 @@ class _ScheduleRun:
                 self.counters["freed_bytes"] += _pseudo_free(out)
         if not self.forward_only:
             self.stored[(chunk, mb)] = (inp, out)
-            ex.peak_in_flight = max(ex.peak_in_flight, len(self.stored))
+            ex.peak_in_flight = max(ex.peak_in_flight, len(self.stored) + len(self.pending_weights))
 
-    def backward(self, i: int, chunk: int, mb: int) -> None:
+    def backward(self, i: int, chunk: int, mb: int, part: StepPart) -> None:
+        """A whole backward, or (``part=INPUT``) its input-gradient part B; sends the input's gradient."""
         ex = self.ex
         inp, out = self.stored.pop((chunk, mb))
         if ex.is_last_stage(chunk):
             if ex.overlap_p2p_comm:
                 self.post_until(i + 1)
-            loss = out.reshape(()) if self.loss_scale == 1.0 else out.reshape(()) * self.loss_scale
-            self.backward_fn(loss)
+            out, grad = (out.reshape(()) if self.loss_scale == 1.0 else out.reshape(()) * self.loss_scale), None
         else:
             grad = self.handles.pop(i).wait()
             if ex.overlap_p2p_comm:
                 self.post_until(i + 1)
-            if out.requires_grad:
-                torch.autograd.backward(out, grad)
+        if part is StepPart.INPUT:
+            self.pending_weights[(chunk, mb)] = backward_input(out, grad, inp,
+                                                               reuse_saved_gradients=ex.reuse_saved_gradients)
+        elif ex.is_last_stage(chunk):
+            self.backward_fn(out)
+        elif out.requires_grad:
+            torch.autograd.backward(out, grad)
         self.counters["backwards"] += 1
         if not ex.is_first_stage(chunk):
             assert inp is not None
             self.send(i, "backward", inp.grad if inp.grad is not None else torch.zeros_like(inp), mb)
 
+    def weight_gradients(self, chunk: int, mb: int) -> None:
+        """W: accumulate the parameter gradients that the microbatch's B left for later."""
+        self.pending_weights.pop((chunk, mb)).run()
+        self.counters["weight_steps"] += 1
+
     def close(self) -> None:
         self.stored.clear()
+        self.pending_weights.clear()
         self.handles.clear()
         self.counters["peak_in_flight"] = self.ex.peak_in_flight
         self.ex.last_run = self.counters
+
+
+def _check_order(where: str, key: tuple[int, int], kind, done: dict) -> None:
+    """A step may run once, after the steps it needs: F before any backward, B before its W."""
+    chunk, mb = key
+    if key in done[kind]:
+        raise ValueError(f"{where}: runs twice for chunk {chunk}, microbatch {mb}.")
+    backward_seen = key in done[StepPart.WHOLE] or key in done[StepPart.INPUT]
+    if kind in (StepPart.WHOLE, StepPart.INPUT) and (key not in done["F"] or backward_seen):
+        raise ValueError(f"{where}: backward without a preceding forward (or twice).")
+    if kind is StepPart.WEIGHT and key not in done[StepPart.INPUT]:
+        raise ValueError(f"{where}: weight-gradient step before the input-gradient step of chunk {chunk}, "
+                         f"microbatch {mb}.")
+    done[kind].add(key)
 
 
 def _check_output(out: object, chunk: int, mb: int, *, last: bool, needs_scalar: bool) -> None:

@@ -12,11 +12,15 @@ large as the pipeline lets a rank keep busy on its next chunk while the group's 
 microbatch is still travelling through the other ranks.
 
 Steps are encoded as in Megatron's schedule tables: ``+k`` is the forward of local chunk
-``k - 1``, ``-k`` its backward; :func:`schedule_steps` adds the microbatch ids.
+``k - 1``, ``-k`` its backward; :func:`schedule_steps` adds the microbatch ids. Zero-bubble
+schedules (:mod:`.zero_bubble`) split a backward in two parts, told apart by
+:class:`StepPart`: the input gradient (B, still coded ``-k``: it is what the previous stage
+waits for) and the deferred weight gradient (W, which has no Megatron code).
 """
 
 from __future__ import annotations
 
+from enum import Enum
 from typing import NamedTuple
 
 from megastrategy.errors import MegatronConfigError
@@ -24,6 +28,7 @@ from megastrategy.pipeline.layer_assignment import check_positive_int
 
 __all__ = [
     "ScheduleStep",
+    "StepPart",
     "forward_only_order",
     "forward_only_steps",
     "num_warmup_steps",
@@ -33,16 +38,40 @@ __all__ = [
 ]
 
 
+class StepPart(str, Enum):
+    """Which gradients a backward step computes (a forward is always ``WHOLE``).
+
+    Splitting lets a schedule send the input gradient upstream at once and compute the weight
+    gradients later, in time the rank would otherwise spend waiting (the zero-bubble idea).
+    """
+
+    WHOLE = "whole"  # input and weight gradients in one pass (1F1B, interleaved 1F1B)
+    INPUT = "input"  # B: only the stage input's gradient; what W needs is kept
+    WEIGHT = "weight"  # W: the parameter gradients of an earlier INPUT step
+
+
 class ScheduleStep(NamedTuple):
-    """One step of a rank's schedule: a forward or backward of one chunk on one microbatch."""
+    """One step of a rank's schedule: a forward or a backward (part) of one chunk on one microbatch."""
 
     is_forward: bool
     chunk: int
     microbatch: int
+    part: StepPart = StepPart.WHOLE
+
+    @property
+    def kind(self) -> str:
+        """``"F"``, ``"B"`` (a whole backward or its input-gradient part) or ``"W"`` (weight gradients)."""
+        if self.is_forward:
+            return "F"
+        return "W" if self.part is StepPart.WEIGHT else "B"
 
     @property
     def code(self) -> int:
         """The signed table entry: ``+(chunk + 1)`` for a forward, ``-(chunk + 1)`` for a backward."""
+        if self.part is StepPart.WEIGHT:
+            raise ValueError(
+                f"{self} is a weight-gradient (W) step, which has no signed Megatron code; use .kind and .chunk."
+            )
         return self.chunk + 1 if self.is_forward else -(self.chunk + 1)
 
 

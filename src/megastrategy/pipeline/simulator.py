@@ -3,7 +3,11 @@
 The model is the one the bubble formulas assume: each rank runs its order one step at a
 time; a forward of virtual stage ``s`` waits for the forward of stage ``s - 1`` on the same
 microbatch, a backward waits for its own forward and for the backward of stage ``s + 1``;
-a hop between ranks costs ``p2p_time``; sends never block. It lets the schedule be checked
+a hop between ranks costs ``p2p_time``; sends never block. A split backward (zero-bubble
+schedules) is an input-gradient step B, which is what the previous stage waits for, and a
+weight-gradient step W, which waits only for its own B. Unless given, B and W each cost half
+of ``backward_time``, so "F = B = W = 1" is the default ``forward_time=1, backward_time=2``
+and compares a split schedule with 1F1B on the same model. It lets the schedule be checked
 for deadlocks and for its bubble before any process group exists.
 """
 
@@ -11,11 +15,12 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Callable, Sequence
 
 from megastrategy.errors import MegatronConfigError
 from megastrategy.pipeline.layer_assignment import check_positive_int
-from megastrategy.pipeline.schedules import ScheduleStep, forward_only_steps, schedule_steps, validate_schedule
+from megastrategy.pipeline.schedule_choice import training_steps
+from megastrategy.pipeline.schedules import ScheduleStep, StepPart, forward_only_steps, validate_schedule
 
 __all__ = [
     "PipelineDeadlockError",
@@ -40,11 +45,19 @@ class StepTiming:
     microbatch: int
     start: float
     end: float
+    part: StepPart = StepPart.WHOLE
+
+    @property
+    def kind(self) -> str:
+        return ScheduleStep(self.is_forward, self.chunk, self.microbatch, self.part).kind
 
 
 @dataclass
 class ScheduleStats:
-    """Result of a simulation; times are in the units of ``forward_time``/``backward_time``."""
+    """Result of a simulation; times are in the units of ``forward_time``/``backward_time``.
+
+    ``idle`` per rank is the bubble time; ``bubble_fraction`` is its share of the makespan.
+    """
 
     num_microbatches: int
     pp_size: int
@@ -67,7 +80,7 @@ def _stage(rank: int, chunk: int, pp_size: int) -> int:
 
 
 def simulate_steps(
-    steps_per_rank: Sequence[Sequence[ScheduleStep | tuple[bool, int, int]]],
+    steps_per_rank: Sequence[Sequence[ScheduleStep | tuple]],
     vp_size: int = 1,
     *,
     forward_time: float = 1.0,
@@ -75,8 +88,16 @@ def simulate_steps(
     p2p_time: float = 0.0,
     num_microbatches: int | None = None,
     group_size: int | None = None,
+    input_grad_time: float | None = None,
+    weight_grad_time: float | None = None,
+    step_time: Callable[[int, ScheduleStep], float] | None = None,
 ) -> ScheduleStats:
-    """Simulate arbitrary per-rank orders (one list of ``(is_forward, chunk, microbatch)`` per rank).
+    """Simulate arbitrary per-rank orders (one list of ``(is_forward, chunk, microbatch[, part])`` per rank).
+
+    ``input_grad_time``/``weight_grad_time``: the cost of a split backward's B and W (default:
+    half of ``backward_time`` each; W defaults to what B leaves of ``backward_time``).
+    ``step_time(rank, step)``: the cost of each step instead (e.g. measured per rank and kind:
+    the first stage's B has no input gradient to compute, the last stage's F includes the loss).
 
     A step's start time depends only on when its dependencies and its rank's previous step
     finished, so ranks are advanced in any order until all are done or none can move
@@ -85,11 +106,19 @@ def simulate_steps(
     pp_size = len(steps_per_rank)
     check_positive_int("pp_size", pp_size)
     check_positive_int("vp_size", vp_size)
-    for name, value in (("forward_time", forward_time), ("backward_time", backward_time), ("p2p_time", p2p_time)):
+    if input_grad_time is None:
+        input_grad_time = backward_time / 2
+    if weight_grad_time is None:
+        weight_grad_time = max(backward_time - input_grad_time, 0.0)
+    durations = {"F": forward_time, StepPart.WHOLE: backward_time, StepPart.INPUT: input_grad_time,
+                 StepPart.WEIGHT: weight_grad_time}
+    for name, value in (("forward_time", forward_time), ("backward_time", backward_time), ("p2p_time", p2p_time),
+                        ("input_grad_time", input_grad_time), ("weight_grad_time", weight_grad_time)):
         if value < 0:
             raise MegatronConfigError(f"{name}={value} must be >= 0.")
     orders = _parse_orders(steps_per_rank, vp_size)
-    sim = _Simulation(orders, vp_size, forward_time, backward_time, p2p_time)
+    sim = _Simulation(orders, vp_size, step_time or (lambda rank, step: durations["F" if step.is_forward else step.part]),
+                      p2p_time)
     sim.run()
 
     makespan = max(sim.free_at) if pp_size else 0.0
@@ -104,9 +133,7 @@ def simulate_steps(
     )
 
 
-def _parse_orders(
-    steps_per_rank: Sequence[Sequence[ScheduleStep | tuple[bool, int, int]]], vp_size: int
-) -> list[list[ScheduleStep]]:
+def _parse_orders(steps_per_rank: Sequence[Sequence[ScheduleStep | tuple]], vp_size: int) -> list[list[ScheduleStep]]:
     """Steps as :class:`ScheduleStep`; a chunk out of range or a step run twice is an error."""
     orders = [[ScheduleStep(*s) for s in steps] for steps in steps_per_rank]
     for rank, order in enumerate(orders):
@@ -121,28 +148,26 @@ def _parse_orders(
 
 
 def _peak_in_flight(order: Sequence[ScheduleStep]) -> int:
-    """Most microbatches whose forward ran and backward did not yet (activations held)."""
+    """Most microbatches whose forward ran and whose backward (its W, when split) did not yet."""
     live = peak = 0
     for step in order:
-        live += 1 if step.is_forward else -1
+        live += 1 if step.is_forward else (0 if step.part is StepPart.INPUT else -1)
         peak = max(peak, live)
     return peak
 
 
-#: a finished step: (is_forward, stage, microbatch)
-_Key = tuple[bool, int, int]
+#: a finished step: (kind "F"/"B"/"W", stage, microbatch); a whole backward finishes "B"
+_Key = tuple[str, int, int]
 
 
 class _Simulation:
     """Event-free simulation state: when each finished step ended and where each rank is."""
 
-    def __init__(
-        self, orders: list[list[ScheduleStep]], vp_size: int, forward_time: float, backward_time: float, p2p_time: float
-    ) -> None:
+    def __init__(self, orders: list[list[ScheduleStep]], vp_size: int, step_time: Callable, p2p_time: float) -> None:
         self.orders = orders
         self.pp_size = len(orders)
         self.num_stages = self.pp_size * vp_size
-        self.forward_time, self.backward_time, self.p2p_time = forward_time, backward_time, p2p_time
+        self.step_time, self.p2p_time = step_time, p2p_time
         self.done: dict[_Key, float] = {}  # -> end time
         self.position = [0] * self.pp_size
         self.free_at = [0.0] * self.pp_size
@@ -151,14 +176,16 @@ class _Simulation:
     def dependencies(self, rank: int, step: ScheduleStep) -> list[tuple[_Key, bool]]:
         """(key, crosses_ranks) pairs the step waits for."""
         pp_size = self.pp_size
-        s = _stage(rank, step.chunk, pp_size)
+        s, mb = _stage(rank, step.chunk, pp_size), step.microbatch
         if step.is_forward:
             if s == 0:
                 return []
-            return [((True, s - 1, step.microbatch), (s - 1) % pp_size != rank)]
-        deps = [((True, s, step.microbatch), False)]
+            return [(("F", s - 1, mb), (s - 1) % pp_size != rank)]
+        if step.part is StepPart.WEIGHT:
+            return [(("B", s, mb), False)]
+        deps = [(("F", s, mb), False)]
         if s < self.num_stages - 1:
-            deps.append(((False, s + 1, step.microbatch), (s + 1) % pp_size != rank))
+            deps.append((("B", s + 1, mb), (s + 1) % pp_size != rank))
         return deps
 
     def run(self) -> None:
@@ -179,9 +206,11 @@ class _Simulation:
                 break
             arrivals = [self.done[key] + (self.p2p_time if cross else 0.0) for key, cross in deps]
             start = max([self.free_at[rank]] + arrivals)
-            end = start + (self.forward_time if step.is_forward else self.backward_time)
-            self.done[(step.is_forward, _stage(rank, step.chunk, self.pp_size), step.microbatch)] = end
-            self.timeline[rank].append(StepTiming(rank, self.position[rank], *step, start, end))
+            end = start + self.step_time(rank, step)
+            self.done[(step.kind, _stage(rank, step.chunk, self.pp_size), step.microbatch)] = end
+            self.timeline[rank].append(
+                StepTiming(rank, self.position[rank], step.is_forward, step.chunk, step.microbatch, start, end, step.part)
+            )
             self.free_at[rank] = end
             self.position[rank] += 1
             ran += 1
@@ -193,10 +222,10 @@ class _Simulation:
             if self.position[rank] < len(order):
                 step = order[self.position[rank]]
                 waits = [k for k, _ in self.dependencies(rank, step) if k not in self.done]
+                names = {"F": "forward", "B": "backward", "W": "weight gradient"}
                 desc = ", ".join(
-                    f"{'forward' if f else 'backward'} of stage {s} "
-                    f"(rank {s % self.pp_size}, chunk {s // self.pp_size}) mb {m}"
-                    for f, s, m in waits
+                    f"{names[k]} of stage {s} (rank {s % self.pp_size}, chunk {s // self.pp_size}) mb {m}"
+                    for k, s, m in waits
                 )
                 stuck.append(f"rank {rank} step {self.position[rank]} {step} waits for {desc}")
         return PipelineDeadlockError("pipeline schedule deadlocks: " + "; ".join(stuck))
@@ -212,8 +241,12 @@ def simulate_schedule(
     p2p_time: float = 0.0,
     *,
     forward_only: bool = False,
+    schedule: str = "1f1b",
+    input_grad_time: float | None = None,
+    weight_grad_time: float | None = None,
 ) -> ScheduleStats:
-    """Simulate the schedule every rank gets from :func:`schedule_steps` (or the forward-only one).
+    """Simulate the training schedule ``schedule`` (see :mod:`.schedule_choice`) on every rank,
+    or the forward-only one.
 
     ``forward_time``/``backward_time`` are per step, i.e. per model chunk: to compare with a
     non-interleaved run of the same model, divide the stage times by ``vp_size``.
@@ -225,7 +258,7 @@ def simulate_schedule(
         group = group_size
     else:
         group = validate_schedule(num_microbatches, pp_size, vp_size, group_size)
-        orders = [schedule_steps(num_microbatches, pp_size, r, vp_size, group_size) for r in range(pp_size)]
+        orders = [training_steps(schedule, num_microbatches, pp_size, r, vp_size, group_size) for r in range(pp_size)]
     return simulate_steps(
         orders,
         vp_size,
@@ -234,11 +267,14 @@ def simulate_schedule(
         p2p_time=p2p_time,
         num_microbatches=num_microbatches,
         group_size=group,
+        input_grad_time=input_grad_time,
+        weight_grad_time=weight_grad_time,
     )
 
 
 _FORWARD_COLORS = ["#4C72B0", "#8FB4E3", "#2A4D7A", "#B9D3F0"]
 _BACKWARD_COLORS = ["#DD8452", "#F2B48C", "#A0522D", "#F8D3B8"]
+_WEIGHT_COLORS = ["#55A868", "#9BD3A6", "#2E6B3D", "#C8E9CF"]
 
 
 def draw_timeline(stats: ScheduleStats, path: str | os.PathLike, title: str | None = None) -> None:
@@ -257,7 +293,7 @@ def draw_timeline(stats: ScheduleStats, path: str | os.PathLike, title: str | No
     for rank, row in enumerate(stats.timeline):
         y = stats.pp_size - 1 - rank  # rank 0 on top
         for t in row:
-            palette = _FORWARD_COLORS if t.is_forward else _BACKWARD_COLORS
+            palette = {"F": _FORWARD_COLORS, "B": _BACKWARD_COLORS, "W": _WEIGHT_COLORS}[t.kind]
             color = palette[t.chunk % len(palette)]
             ax.broken_barh(
                 [(t.start, t.end - t.start)], (y - 0.4, 0.8), facecolors=color, edgecolors="black", linewidth=0.6
@@ -277,6 +313,8 @@ def draw_timeline(stats: ScheduleStats, path: str | os.PathLike, title: str | No
     for c in range(stats.vp_size):
         suffix = f" chunk {c}" if stats.vp_size > 1 else ""
         handles.append(Patch(facecolor=_BACKWARD_COLORS[c % 4], edgecolor="black", label=f"backward{suffix}"))
+    if any(t.kind == "W" for row in stats.timeline for t in row):
+        handles.append(Patch(facecolor=_WEIGHT_COLORS[0], edgecolor="black", label="weight gradient (W)"))
     ax.legend(
         handles=handles, loc="upper center", bbox_to_anchor=(0.5, -0.28), ncol=len(handles), fontsize=8, frameon=False
     )

@@ -31,7 +31,8 @@ from megastrategy.pipeline.executor import LocalCommunicator, PipelineExecutor
 from megastrategy.pipeline.log_relay import capturing_logs, metric_paths, replay_logs
 from megastrategy.pipeline.model_calls import ModelCalls
 from megastrategy.pipeline.output_relay import OutputRelay
-from megastrategy.pipeline.schedules import forward_only_steps, schedule_steps
+from megastrategy.pipeline.schedule_choice import training_steps
+from megastrategy.pipeline.schedules import forward_only_steps
 from megastrategy.pipeline.stage import PipelineStage, StageBoundary, iter_microbatches
 from megastrategy.pipeline.step_output import join_step_outputs
 from megastrategy.pipeline.suspended_step import StepThreads, SuspendedStep
@@ -54,8 +55,10 @@ class StepRunner:
         num_microbatches: int = 1,
         relay: Optional[OutputRelay] = None,
         device: Optional[torch.device] = None,
+        schedule: str = "1f1b",
     ) -> None:
         self.executor, self.stage, self.device = executor, stage, device
+        self.schedule = schedule if stage is not None else "1f1b"  # one stage: Lightning's own backward
         self.num_microbatches = num_microbatches if stage is not None else 1
         self.relay = relay
         self.calls = ModelCalls(stage.call_modules) if stage is not None else None
@@ -84,6 +87,7 @@ class StepRunner:
         return cls(
             executor=executor, components=components, stage=ctx.stage,
             num_microbatches=config.num_microbatches, relay=relay, device=ctx.device,
+            schedule=config.pipeline_schedule,
         )
 
     @property
@@ -167,7 +171,7 @@ class StepRunner:
     def _execute(self, step: StepInfo, forward_step: Callable, backward_fn: Optional[LightningBackward]) -> None:
         m, ex = step.num_microbatches, self.executor
         if step.training:
-            steps = schedule_steps(m, ex.pp_size, ex.pp_rank, ex.vp_size)
+            steps = training_steps(self.schedule, m, ex.pp_size, ex.pp_rank, ex.vp_size)
         else:
             steps = forward_only_steps(m, ex.vp_size)
         scale = 1.0 / step.accumulate_grad_batches

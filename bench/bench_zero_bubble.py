@@ -1,0 +1,284 @@
+"""Zero-bubble benchmark: ZB-H1 beside our 1F1B and beside torch's zero-bubble schedules.
+
+    OMP_NUM_THREADS=1 python bench/bench_zero_bubble.py            # pp=2 and pp=4, M=8
+    python bench/bench_zero_bubble.py --steps 4 --repeats 1         # shorter
+    python bench/bench_zero_bubble.py --split-only                  # only the one-process B/W cost
+
+The model, data and loss are bench_pp.py's (L=8 pre-LN MLP blocks, hidden 256, FFN 4h, fp32, MSE),
+on real processes (gloo over 127.0.0.1, one thread each). Per pipeline size it runs, interleaved:
+
+* ``ours 1F1B``: ``PipelineExecutor`` on ``schedule_steps``;
+* ``ours ZB-H1``: the executor on ``zb_h1_steps``, W restarting from B's recorded gradients;
+* ``ours ZB-H1 replay``: the same with ``reuse_saved_gradients=False`` (W replays the backward);
+* ``torch 1F1B``, ``torch ZB (interleaved)``: ``torch.distributed.pipelining``'s ``Schedule1F1B`` and
+  ``ScheduleInterleavedZeroBubble`` with one stage per rank;
+* ``torch ZBV``: ``ScheduleZBVZeroBubble``, two stages per rank in a V (rank r holds r and 2p-1-r).
+
+For our runs it also times every F, B and W on every rank and feeds those times, per rank and
+kind, to ``simulate_steps``: the measured idle time per rank (step time minus the rank's compute)
+is printed beside the simulated one. Results go to bench/results/bench_zero_bubble.{json,md}.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import bench_pp  # noqa: E402  (the model and data; imports common, which sets OMP_NUM_THREADS=1)
+import common  # noqa: E402
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from torch import nn  # noqa: E402
+
+IMPLS = ["ours 1F1B", "ours ZB-H1", "ours ZB-H1 replay", "torch 1F1B", "torch ZB (interleaved)", "torch ZBV"]
+
+
+# ======================================================================================
+# our executor, with every compute step timed
+# ======================================================================================
+class StepClock:
+    """Seconds spent computing each (kind, microbatch) step on this rank."""
+
+    def __init__(self) -> None:
+        self.times: dict[str, list[float]] = defaultdict(list)
+
+    def wrap(self, fn, kind: str):
+        def timed(*a, **k):
+            t0 = time.perf_counter()
+            try:
+                return fn(*a, **k)
+            finally:
+                self.times[kind].append(time.perf_counter() - t0)
+        return timed
+
+
+def _time_backwards(clock: StepClock, split: bool) -> None:
+    """Time the backward compute steps of our executor: B and W (split), or every whole backward
+    (all of them go through ``torch.autograd.backward``); receive waits are outside both."""
+    from megastrategy.pipeline import executor as executor_module
+    from megastrategy.pipeline import split_backward
+
+    if split:
+        executor_module.backward_input = clock.wrap(split_backward.backward_input, "B")
+        split_backward.WeightGradients.run = clock.wrap(split_backward.WeightGradients.run, "W")
+    else:
+        torch.autograd.backward = clock.wrap(torch.autograd.backward, "whole")
+
+
+def ours_worker(rank: int, world: int, impl: str, m: int, mb: int, seq: int, steps: int, warmup: int) -> dict:
+    import torch.distributed as dist
+
+    from megastrategy.pipeline import assign_layers, schedule_steps, zb_h1_steps
+    from megastrategy.pipeline.executor import PipelineExecutor
+    from megastrategy.pipeline.p2p import PipelineCommunicator
+
+    pp = world
+    blocks = bench_pp.build_blocks()
+    stage = nn.Sequential(*(blocks[i] for i in assign_layers(bench_pp.LAYERS, pp, 1)[rank][0]))
+    x, y = bench_pp.make_data(m, mb, seq)
+    xs, ys = x.chunk(m), y.chunk(m)
+    comm = PipelineCommunicator(pp_group=dist.group.WORLD, pp_ranks=list(range(pp)), pp_rank=rank, device="cpu")
+    ex = PipelineExecutor(comm, pp_size=pp, pp_rank=rank, reuse_saved_gradients=not impl.endswith("replay"))
+    order = zb_h1_steps(m, pp, rank) if "ZB" in impl else schedule_steps(m, pp, rank)
+    clock = StepClock()
+    _time_backwards(clock, split="ZB" in impl)
+
+    def forward_step(chunk, i, inp):
+        h = stage(xs[i] if inp is None else inp)
+        return F.mse_loss(h, ys[i]) if rank == pp - 1 else h
+
+    timed_forward = clock.wrap(forward_step, "F")
+    records = []
+    for step in range(warmup + steps):
+        for p in stage.parameters():
+            p.grad = None
+        clock.times.clear()
+        dist.barrier()
+        t0 = time.perf_counter()
+        out = ex.run(order, forward_step=timed_forward, num_microbatches=m, loss_scale=1.0 / m)
+        elapsed = time.perf_counter() - t0
+        if step >= warmup:
+            records.append({"step": elapsed, "times": {k: list(v) for k, v in clock.times.items()}})
+    grad_sq = sum(float(p.grad.double().pow(2).sum()) for p in stage.parameters())
+    return {"records": records, "losses": [float(v) for v in out], "grad_sq": grad_sq}
+
+
+# ======================================================================================
+# torch.distributed.pipelining
+# ======================================================================================
+def torch_worker(rank: int, world: int, impl: str, m: int, mb: int, seq: int, steps: int, warmup: int) -> dict:
+    import torch.distributed as dist
+    from torch.distributed.pipelining import PipelineStage
+    from torch.distributed.pipelining import schedules as ts
+
+    pp = world
+    blocks = bench_pp.build_blocks()
+    v = 2 if impl == "torch ZBV" else 1
+    from megastrategy.pipeline import assign_layers
+
+    per_stage = [idx for rank_chunks in assign_layers(bench_pp.LAYERS, pp * v, 1) for idx in rank_chunks]
+    stage_ids = [rank, 2 * pp - 1 - rank] if v == 2 else [rank]
+    stages = [PipelineStage(nn.Sequential(*(blocks[i] for i in per_stage[s])), s, pp * v, torch.device("cpu"),
+                            group=dist.group.WORLD) for s in stage_ids]
+    kinds = {"torch 1F1B": ts.Schedule1F1B, "torch ZB (interleaved)": ts.ScheduleInterleavedZeroBubble,
+             "torch ZBV": ts.ScheduleZBVZeroBubble}
+    cls = kinds[impl]
+    schedule = cls(stages[0], m, loss_fn=F.mse_loss) if cls is ts.Schedule1F1B else cls(stages, m, loss_fn=F.mse_loss)
+    x, y = bench_pp.make_data(m, mb, seq)
+    first = 0 in stage_ids
+    last = (pp * v - 1) in stage_ids
+    params = [p for s in stages for p in s.submod.parameters()]
+    records = []
+    for step in range(warmup + steps):
+        for p in params:
+            p.grad = None
+        dist.barrier()
+        t0 = time.perf_counter()
+        losses: list = []
+        schedule.step(*((x,) if first else ()), target=y if last else None, losses=losses if last else None,
+                      return_outputs=False)
+        elapsed = time.perf_counter() - t0
+        if step >= warmup:
+            records.append({"step": elapsed, "times": {}})
+    grad_sq = sum(float(p.grad.double().pow(2).sum()) for p in params)
+    return {"records": records, "losses": [float(v.detach()) for v in losses], "grad_sq": grad_sq}
+
+
+# ======================================================================================
+def simulated_idle(pp: int, m: int, impl: str, ranks: list[dict]) -> list[float]:
+    """The simulator's idle seconds per rank, fed each rank's mean measured F, B, W (or whole) time."""
+    from megastrategy.pipeline import schedule_steps, simulate_steps, zb_h1_steps
+
+    means = []
+    for r in ranks:
+        pooled: dict[str, list[float]] = defaultdict(list)
+        for rec in r["records"]:
+            for k, v in rec["times"].items():
+                pooled[k] += v
+        means.append({k: statistics.mean(v) for k, v in pooled.items()})
+
+    def cost(rank: int, step) -> float:
+        kind = step.kind if "ZB" in impl else ("F" if step.is_forward else "whole")
+        return means[rank].get(kind, 0.0)
+
+    orders = [zb_h1_steps(m, pp, r) if "ZB" in impl else schedule_steps(m, pp, r) for r in range(pp)]
+    return simulate_steps(orders, step_time=cost).idle
+
+
+def summarize(pp: int, m: int, impl: str, ranks: list[dict], ref: dict) -> dict:
+    n = len(ranks[0]["records"])
+    makespan = [max(r["records"][s]["step"] for r in ranks) for s in range(n)]
+    out = {"impl": impl, "pp": pp, "step_ms": statistics.median(makespan) * 1e3}
+    losses = next(r["losses"] for r in reversed(ranks) if r["losses"])
+    out["loss_rel_err"] = abs(sum(losses) / len(losses) - ref["loss"]) / abs(ref["loss"])
+    out["grad_rel_err"] = abs(sum(r["grad_sq"] for r in ranks) ** 0.5 - ref["grad_norm"]) / ref["grad_norm"]
+    if impl.startswith("ours"):
+        idle = []
+        for r in ranks:  # per step: the step's makespan minus this rank's compute
+            idle.append(statistics.mean(
+                makespan[s] - sum(sum(v) for v in r["records"][s]["times"].values()) for s in range(n)))
+        out["idle_ms"] = [i * 1e3 for i in idle]
+        out["sim_idle_ms"] = [i * 1e3 for i in simulated_idle(pp, m, impl, ranks)]
+        out["times_ms"] = {k: statistics.mean(t for rec in ranks[1]["records"] for t in rec["times"].get(k, [0.0])) * 1e3
+                           for k in ("F", "B", "W", "whole")}
+    return out
+
+
+def split_cost(mb: int, seq: int, layers: int, repeats: int) -> dict[str, float]:
+    """One process, one stage of ``layers`` blocks: milliseconds of a whole backward, of B + W with
+    W restarting from B's recorded gradients, and of B + W replaying the backward (min over
+    ``repeats`` interleaved runs), plus B's own share."""
+    from megastrategy.pipeline.split_backward import backward_input
+
+    blocks = nn.Sequential(*list(bench_pp.build_blocks())[:layers])
+    x = torch.randn(mb, seq, bench_pp.HIDDEN)
+    grad = torch.randn(mb, seq, bench_pp.HIDDEN)
+    best: dict[str, float] = defaultdict(lambda: float("inf"))
+    for _ in range(repeats):
+        for variant in ("whole", "split", "replay"):
+            inp = x.clone().requires_grad_(True)
+            out = blocks(inp)
+            t0 = time.perf_counter()
+            if variant == "whole":
+                torch.autograd.backward(out, grad)
+            else:
+                w = backward_input(out, grad, inp, reuse_saved_gradients=variant == "split")
+                best[f"{variant} B"] = min(best[f"{variant} B"], time.perf_counter() - t0)
+                w.run()
+            best[variant] = min(best[variant], time.perf_counter() - t0)
+            blocks.zero_grad(set_to_none=True)
+    return {k: v * 1e3 for k, v in best.items()}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--pp", type=int, nargs="+", default=[2, 4])
+    p.add_argument("--microbatches", type=int, default=8)
+    p.add_argument("--mb", type=int, default=4, help="sequences per microbatch")
+    p.add_argument("--seq", type=int, default=32)
+    p.add_argument("--steps", type=int, default=6)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--repeats", type=int, default=2, help="interleaved runs per implementation; best median kept")
+    p.add_argument("--impls", nargs="+", default=IMPLS)
+    p.add_argument("--timeout", type=float, default=300)
+    p.add_argument("--split-only", action="store_true", help="only the one-process backward cost table")
+    p.add_argument("--out-dir", type=Path, default=common.RESULTS)
+    a = p.parse_args()
+    info = common.machine_info()
+    report = common.Report("bench_zero_bubble", "Zero-bubble pipeline schedules", info, vars(a) | {"out_dir": None})
+    cost = split_cost(a.mb, a.seq, bench_pp.LAYERS // 2, repeats=30)
+    report.table("Backward of one stage (4 blocks), one process: whole vs split (min of 30 interleaved runs)",
+                 ["variant", "ms", "/ whole", "of which B ms"],
+                 [["whole backward", cost["whole"], 1.0, None],
+                  ["B + W, W from recorded gradients", cost["split"], cost["split"] / cost["whole"], cost["split B"]],
+                  ["B + W, W replays the backward", cost["replay"], cost["replay"] / cost["whole"], cost["replay B"]]])
+    ref = bench_pp.serial_reference(a.microbatches, a.mb, a.seq) if not a.split_only else None
+    best: dict[tuple[int, str], dict] = {}
+    for rep in range(0 if a.split_only else a.repeats):
+        for pp in a.pp:
+            for impl in a.impls:
+                worker = ours_worker if impl.startswith("ours") else torch_worker
+                ranks = common.spawn(worker, pp, impl, a.microbatches, a.mb, a.seq, a.steps, a.warmup,
+                                     timeout=a.timeout)
+                r = summarize(pp, a.microbatches, impl, ranks, ref)
+                print(f"  [pp={pp} {impl} run {rep + 1}: median step {r['step_ms']:.1f} ms, load "
+                      f"{common.load_average()}]", flush=True)
+                if (pp, impl) not in best or r["step_ms"] < best[(pp, impl)]["step_ms"]:
+                    best[(pp, impl)] = r
+    if best:
+        _tables(report, a, best)
+    js, md = report.save(a.out_dir)
+    print(f"wrote {js} and {md}")
+
+
+def _tables(report: common.Report, a, best: dict) -> None:
+    rows = []
+    for pp in a.pp:
+        base = best.get((pp, "ours 1F1B"))
+        for impl in a.impls:
+            r = best[(pp, impl)]
+            rows.append([f"pp={pp}", impl, r["step_ms"], common.ratio(r["step_ms"], base and base["step_ms"]),
+                         common.ratio(best[(pp, "ours ZB-H1")]["step_ms"], r["step_ms"]) if (pp, "ours ZB-H1") in best else None,
+                         f"{r['loss_rel_err']:.1e}", f"{r['grad_rel_err']:.1e}"])
+    report.table("Step time (median over steps, best of repeats)",
+                 ["pp", "schedule", "step ms", "/ ours 1F1B", "ours ZB-H1 / this", "loss rel err", "grad rel err"], rows,
+                 notes=[f"M={a.microbatches}, {a.mb}x{a.seq} tokens per microbatch, load {common.load_average()}"])
+    rows = []
+    for (pp, impl), r in sorted(best.items()):
+        if "idle_ms" in r:
+            err = [abs(x - s) / s if s > 0 else None for x, s in zip(r["idle_ms"], r["sim_idle_ms"])]
+            rows.append([f"pp={pp}", impl, bench_pp.lst(r["idle_ms"], 1), bench_pp.lst(r["sim_idle_ms"], 1),
+                         bench_pp.lst([e for e in err if e is not None], 2),
+                         " / ".join(f"{k} {v:.2f}" for k, v in r["times_ms"].items() if v)])
+    report.table("Idle per rank: measured (makespan - own compute) beside the simulator fed measured step times",
+                 ["pp", "schedule", "measured idle ms", "simulated idle ms", "relative difference",
+                  "rank 1 step ms"], rows)
+
+
+if __name__ == "__main__":
+    main()

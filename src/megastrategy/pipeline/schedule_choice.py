@@ -1,0 +1,44 @@
+"""The training schedules a user can pick by name (``MegatronStrategy(pipeline_schedule=...)``)."""
+from __future__ import annotations
+
+from megastrategy.errors import MegatronConfigError
+from megastrategy.pipeline.schedules import ScheduleStep, schedule_steps
+from megastrategy.pipeline.zero_bubble import zb_h1_steps
+
+__all__ = ["PIPELINE_SCHEDULES", "training_steps", "validate_pipeline_schedule"]
+
+#: name -> what it is; "1f1b" is interleaved when vp > 1
+PIPELINE_SCHEDULES = {
+    "1f1b": "1F1B (interleaved 1F1B with vp > 1)",
+    "zb_h1": "ZB-H1 zero bubble: backward split into input (B) and deferred weight (W) gradients; vp=1",
+}
+
+
+def _check_name(name: object) -> None:
+    if name not in PIPELINE_SCHEDULES:
+        allowed = ", ".join(f"{k!r} ({v})" for k, v in PIPELINE_SCHEDULES.items())
+        raise MegatronConfigError(f"MegatronStrategy(pipeline_schedule={name!r}): unknown schedule; use one of {allowed}.")
+
+
+def validate_pipeline_schedule(name: object, pp: int, vp_size: int) -> str:
+    """Check ``pipeline_schedule`` against the layout; return the name."""
+    _check_name(name)
+    if name == "zb_h1" and (pp < 2 or vp_size != 1):
+        raise MegatronConfigError(
+            f"MegatronStrategy(pipeline_schedule='zb_h1', pp={pp}, vp={vp_size if vp_size > 1 else None}): ZB-H1 runs "
+            "one model chunk per pipeline rank, so it needs pp >= 2 and vp=None (or 1). Use pp >= 2 without vp, or "
+            "pipeline_schedule='1f1b' (interleaved when vp > 1)."
+        )
+    return str(name)
+
+
+def training_steps(
+    name: str, num_microbatches: int, pp_size: int, pp_rank: int, vp_size: int = 1, group_size: int | None = None
+) -> list[ScheduleStep]:
+    """This rank's training steps under the schedule ``name``."""
+    _check_name(name)
+    if name == "zb_h1":
+        if vp_size != 1:
+            raise MegatronConfigError(f"pipeline_schedule='zb_h1' runs one chunk per rank; got vp_size={vp_size}.")
+        return zb_h1_steps(num_microbatches, pp_size, pp_rank)
+    return schedule_steps(num_microbatches, pp_size, pp_rank, vp_size, group_size)

@@ -189,3 +189,19 @@ def test_bad_arguments():
         comm.send_forward(torch.zeros([1] * 11))
     with pytest.raises(TypeError):
         comm.send_forward([1, 2])  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    "backend, device, wire",
+    [("gloo", "cuda", "cpu"), ("nccl", "cuda", "cuda"), ("cpu:gloo,cuda:nccl", "cuda", "cuda"),
+     ("gloo", "cpu", "cpu"), ("nccl", "cpu", "cpu")],
+)
+def test_messages_go_through_host_memory_only_where_gloo_must_carry_cuda_tensors(monkeypatch, backend, device, wire):
+    """gloo has no point-to-point for CUDA tensors: several ranks sharing one GPU stage through the CPU."""
+    import torch.distributed as dist
+
+    from megastrategy.pipeline.p2p import wire_device
+
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_backend", lambda group=None: backend)
+    assert wire_device(None, torch.device(device)) == torch.device(wire)

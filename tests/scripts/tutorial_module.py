@@ -126,24 +126,40 @@ class Recorder(L.Callback):
 
     def on_train_epoch_end(self, trainer, pl_module):  # after the epoch's validation
         self.rec["epoch_metrics"].append({k: float(v) for k, v in trainer.callback_metrics.items()})
+        self.rec["metric_devices"].append({k: str(v.device) for k, v in trainer.callback_metrics.items()})
 
     def on_test_batch_end(self, trainer, pl_module, outputs, batch, batch_idx, dataloader_idx=0):
         self.rec["test_outputs"].append(_plain(outputs))
 
 
+def placement(device: str, world: int) -> tuple[dict, dict]:
+    """Trainer and strategy arguments that put every rank on ``device``.
+
+    ``cuda`` puts all ranks on GPU 0 with gloo (NCCL refuses two ranks on one GPU), so one GPU
+    runs the CUDA-tensor paths of a multi-rank job: tensors, logged values and metrics on the GPU.
+    """
+    if device == "cpu":
+        return {"accelerator": "cpu", "devices": world}, {}
+    gpus = [torch.device("cuda", 0)] * world
+    return {"accelerator": "cuda", "devices": 1}, {"parallel_devices": gpus, "process_group_backend": "gloo"}
+
+
 def main() -> None:
-    args = layout_parser().parse_args()
+    parser = layout_parser()
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    args = parser.parse_args()
     torch.set_num_threads(1)
     L.seed_everything(3, verbose=False)
     module = GLUETransformer()
+    where, spread = placement(args.device, int(os.environ["WORLD_SIZE"]))
     if args.strategy == "ddp":
-        strategy = DDPStrategy()
+        strategy = DDPStrategy(**spread)
     else:
         from megastrategy import MegatronStrategy
 
-        strategy = MegatronStrategy(tp=args.tp, pp=args.pp, vp=args.vp)
+        strategy = MegatronStrategy(tp=args.tp, pp=args.pp, vp=args.vp, **spread)
     trainer = L.Trainer(
-        accelerator="cpu", devices=int(os.environ["WORLD_SIZE"]), strategy=strategy, max_epochs=2,
+        **where, strategy=strategy, max_epochs=2,
         callbacks=[Recorder(module.rec)], logger=False, enable_progress_bar=False, enable_model_summary=False,
         enable_checkpointing=False, num_sanity_val_steps=0,
     )

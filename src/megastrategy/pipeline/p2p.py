@@ -28,6 +28,10 @@ with sequence parallelism.
 Tags only separate messages on backends that honour them (gloo, and the in-process
 loopback used when ``pp_size == 1``). NCCL ignores tags; pass ``grad_group`` (a second
 process group over the same ranks) to keep gradients on their own communicator there.
+
+Wire device: gloo cannot send or receive CUDA tensors point to point (its collectives can), so
+with CUDA tensors on a gloo group (several ranks sharing one GPU, where NCCL refuses) messages
+travel through host memory and received tensors are moved to ``device``.
 """
 
 from __future__ import annotations
@@ -101,6 +105,14 @@ def _as_bytes(t: Tensor) -> Tensor:
     """Flat uint8 view of a contiguous tensor (a copy only when ``t`` is not contiguous)."""
     flat = t.detach().contiguous().reshape(-1)
     return flat.view(torch.uint8)  # shares storage with ``t`` when it was contiguous
+
+
+def wire_device(group, device: torch.device) -> torch.device:
+    """Where p2p buffers live: ``device``, or the CPU when only gloo serves CUDA tensors."""
+    if device.type != "cuda" or not (dist.is_available() and dist.is_initialized()):
+        return device
+    backend = str(dist.get_backend(group)).lower()
+    return torch.device("cpu") if "gloo" in backend and "nccl" not in backend else device
 
 
 def _fmt_shape(shape: Sequence[int] | None) -> str:
@@ -221,7 +233,7 @@ class RecvHandle:
         nbytes = numel * dtype.itemsize
 
         # receive the payload before any check, so that a mismatch leaves both sides in step
-        result = torch.empty(shape, dtype=dtype, device=comm.device)
+        result = torch.empty(shape, dtype=dtype, device=comm.wire)
         if mode == _MODE_SCATTER:
             if comm.tp_size <= 1 or nbytes % comm.tp_size != 0:
                 raise RuntimeError(
@@ -229,7 +241,7 @@ class RecvHandle:
                     f"tp group has size {comm.tp_size} (shape {_fmt_shape(shape)}); both stages must use the "
                     f"same tensor-parallel size and scatter_gather setting."
                 )
-            piece = torch.empty(nbytes // comm.tp_size, dtype=torch.uint8, device=comm.device)
+            piece = torch.empty(nbytes // comm.tp_size, dtype=torch.uint8, device=comm.wire)
             comm._recv_payload(self.kind, self.peer, piece, what)
             if not self._mismatch(shape, dtype, microbatch):
                 comm._gather_bytes(piece, _as_bytes(result))
@@ -239,7 +251,7 @@ class RecvHandle:
         problem = self._mismatch(shape, dtype, microbatch)
         if problem:
             raise RuntimeError(f"pipeline p2p on rank {comm.rank}: {what}: {problem}")
-        return result
+        return result.to(comm.device)
 
     def _mismatch(self, shape: tuple[int, ...], dtype: torch.dtype, microbatch: int) -> str:
         shape_bad = self._expect_shape is not None and shape != self._expect_shape
@@ -302,6 +314,7 @@ class PipelineCommunicator:
         self.next_rank = pp_ranks[(pp_rank + 1) % self.pp_size]
         self.prev_rank = pp_ranks[(pp_rank - 1) % self.pp_size]
         self.device = torch.device(device)
+        self.wire = wire_device(pp_group, self.device)
         self.dtype = dtype
         self.tp_group = tp_group
         self.tp_size = 1
@@ -450,7 +463,7 @@ class PipelineCommunicator:
             raise TypeError(f"pipeline p2p cannot send dtype {tensor.dtype} (supported: {_DTYPES}).")
         values = [_MAGIC, kind, code, tensor.dim(), mode, int(microbatch)] + list(tensor.shape)
         values += [0] * (HEADER_LEN - len(values))
-        return torch.tensor(values, dtype=torch.int64, device=self.device)
+        return torch.tensor(values, dtype=torch.int64, device=self.wire)
 
     def _send_ops(self, kind: int, tensor: Tensor, microbatch: int) -> list[tuple[str, Tensor, int, int, Any]]:
         """(op, buffer, peer, tag, group) tuples sending ``tensor`` in direction ``kind``."""
@@ -459,8 +472,8 @@ class PipelineCommunicator:
         peer = self.next_rank if kind == FORWARD else self.prev_rank
         group = self._group(kind)
         tensor = tensor.detach()
-        if tensor.device != self.device:
-            tensor = tensor.to(self.device)
+        if tensor.device != self.wire:
+            tensor = tensor.to(self.wire)
         nbytes = tensor.numel() * tensor.element_size()
         if tensor.numel() == 0:
             mode = _MODE_EMPTY
@@ -484,7 +497,7 @@ class PipelineCommunicator:
 
     def _recv_op(self, kind, expect_shape, expect_dtype, expect_microbatch):
         peer = self.prev_rank if kind == FORWARD else self.next_rank
-        header = torch.empty(HEADER_LEN, dtype=torch.int64, device=self.device)
+        header = torch.empty(HEADER_LEN, dtype=torch.int64, device=self.wire)
         op = ("recv", header, peer, _TAGS[(kind, "hdr")], self._group(kind))
         return op, (kind, peer, header, expect_shape, expect_dtype, expect_microbatch)
 

@@ -179,7 +179,7 @@ class RecvHandle:
         buf, self._buf = self._buf, None
         comm._wait_works(self._works, f"the first message of the {what}", keep=[buf])
         if self._predicted is None:
-            meta, microbatch = self._described(buf, what, "hdr")
+            meta, microbatch = self._described(buf, what)
             result = comm._recv_described(self.kind, self.peer, meta, what)
         else:
             meta, microbatch, result = self._predicted_result(buf, what)
@@ -202,7 +202,7 @@ class RecvHandle:
             comm.stats["resyncs_received"] += 1
             header = torch.empty(HEADER_LEN, dtype=torch.int64, device=comm.wire)
             comm._recv_stream(self.kind, self.peer, header, "rhdr", f"the header of the {what}")
-            meta, microbatch = self._described(header, what, "rhdr")
+            meta, microbatch = self._described(header, what)
             return meta, microbatch, comm._recv_described(self.kind, self.peer, meta, what)
         if sig != meta.signature():
             raise comm._corrupt(self.kind, what, values)
@@ -212,7 +212,7 @@ class RecvHandle:
         comm._gather_bytes(buf[:n], _as_bytes(result))
         return meta, microbatch, result
 
-    def _described(self, header: Tensor, what: str, stream: str) -> tuple[Meta, int]:
+    def _described(self, header: Tensor, what: str) -> tuple[Meta, int]:
         values = [int(v) for v in header.tolist()]
         parsed = Meta.parse_header(values, self.kind)
         if parsed is None:

@@ -181,6 +181,18 @@ def test_loopback_predicts_too():
         assert torch.equal(h.wait(), t)
         comm.wait_all()
     assert comm.stats["wire_sends"] == comm.stats["wire_recvs"] == 1  # predicted again after the change
+    odd = [torch.zeros(0, 4), torch.tensor([1 + 2j], dtype=torch.complex128), torch.tensor([True, False]),
+           torch.ones(3, dtype=torch.bfloat16)]  # empty, 16-byte elements, bool, a 2-byte float
+    for _ in range(2):
+        comm.reset_stats()
+        comm.begin_step()
+        for t in odd:
+            comm.send_forward(t, microbatch=1)
+        for t in odd:
+            got = comm.recv_forward(expect_microbatch=1)
+            assert got.dtype == t.dtype and torch.equal(got, t)
+        comm.wait_all()
+    assert comm.stats["wire_sends"] == len(odd) and comm.stats["header_bytes"] == 32 * len(odd)
 
 
 def test_executor_begins_a_step_per_run():

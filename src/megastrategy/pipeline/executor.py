@@ -67,8 +67,8 @@ class PipelineExecutor:
     """Executes a rank's list of :class:`~megastrategy.pipeline.schedules.ScheduleStep`.
 
     ``overlap_p2p_comm``: post the receive of the next step before computing the current
-    one (results are identical; on gloo only the header is posted early, the payload is
-    received when the step needs it). ``deallocate_outputs``: pseudo-free sent activations
+    one (results are identical; from the second run on the whole predicted message is posted
+    early, in the first run only the header, the payload being received when the step needs it). ``deallocate_outputs``: pseudo-free sent activations
     (see the module doc). After :meth:`run`, ``peak_in_flight`` is the most
     (chunk, microbatch) pairs whose forward state was held at once, and ``last_run``
     a dict of counters (``forwards``, ``backwards``, ``weight_steps``, ``freed_bytes``,

@@ -26,6 +26,7 @@ from megastrategy.checkpoint.strategy_methods import CheckpointMethods
 from megastrategy.component import Component, Environment, SetupContext
 from megastrategy.component_list import ComponentList
 from megastrategy.config import MegatronConfig, split_strategy_arguments
+from megastrategy.ddp.overlap_policy import resolve_overlap_grad_reduce
 from megastrategy.parallel_state import ParallelLayout, ParallelState
 from megastrategy.pipeline.step_runner import StepRunner
 from megastrategy.rank_zero import log_on_rank_zero
@@ -166,6 +167,10 @@ class MegatronStrategy(LightningStepMethods, CheckpointMethods, ReplicaCollectiv
 
     def _setup_gradients(self, trainer: "pl.Trainer", module: nn.Module) -> None:
         self._ctx.grad_buffers.clear()
+        self._ctx.grads_changed_after_backward.clear()
+        overlap, why = resolve_overlap_grad_reduce(self.config.overlap_grad_reduce, module, trainer)
+        self._ctx.overlap_grad_reduce = overlap
+        log.debug("megastrategy: overlap_grad_reduce=%s (%s)", overlap, why)
         self.components.each("on_fit_setup", module, self._ctx)
         self.setup_optimizers(trainer)
         self.optimizers = self.components.chain("wrap_optimizers", self.optimizers)

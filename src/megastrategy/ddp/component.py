@@ -62,9 +62,9 @@ class GradientBuffers(Component):
             group=ctx.grad_reduce_group,
             grad_reduce_in_fp32=c.grad_reduce_in_fp32,
             bucket_numel=c.bucket_numel,
-            overlap_grad_reduce=c.overlap_grad_reduce,
+            overlap_grad_reduce=ctx.overlap_grad_reduce,
             distributed_optimizer=c.use_distributed_optimizer,
-            deferred_params=list(ctx.stage.tied_parameters) if ctx.stage is not None else [],
+            deferred_params=list(ctx.grads_changed_after_backward),
         )
         ctx.grad_buffers.insert(0, self.buffer)
 

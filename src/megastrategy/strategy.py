@@ -232,6 +232,26 @@ class MegatronStrategy(LightningStepMethods, CheckpointMethods, ReplicaCollectiv
             self.components.finalize_grads()  # every rank skips together when one component says so
         self._grads_finalized = True
 
+    # ------------------------------------------------------------------ parameter reads
+    def wait_for_param_gather(self) -> None:
+        """With ``overlap_param_gather``: finish the background all-gathers of the last optimizer
+        step, so every parameter holds its update. Forward pre-hooks do this per bucket during
+        training; the strategy calls it before checkpoints, evaluation and the end of training.
+        Call it yourself before reading parameters outside a forward (e.g. in ``on_train_batch_end``)."""
+        self.grad_buffers.wait_for_params()
+
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        self.wait_for_param_gather()
+        return super().lightning_module_state_dict()
+
+    def on_validation_start(self) -> None:
+        self.wait_for_param_gather()
+        super().on_validation_start()
+
+    def on_train_end(self) -> None:  # test/predict after fit start from gathered parameters
+        self.wait_for_param_gather()
+        super().on_train_end()
+
     # ------------------------------------------------------------------ end
     def on_exception(self, exception: BaseException) -> None:
         super().on_exception(exception)

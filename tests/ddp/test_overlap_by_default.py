@@ -39,3 +39,11 @@ def test_pp2_dp2_default_overlap_and_zero1_gather_with_a_tied_embedding():
     ours = _run("megatron", 4, "gpt", "--pp", "2", "--user-plan", *GATHER, "--bucket-numel", "3000")
     assert ours["early_bucket_starts"] > 0 and ours["gathers_waited_in_forward"] > 0
     _assert_same_training(ours, _run("ddp", 2, "gpt"))
+
+
+def test_tp2_dp2_sequence_parallel_default_overlap():
+    # the sequence-parallel norms' gradients are summed over TP after backward: their buckets
+    # are registered as changed-after-backward and never start early; the others do
+    ours = _run("megatron", 4, "bert", "--tp", "2", "--sequence-parallel", *SMALL_BUCKETS)
+    assert ours["early_bucket_starts"] > 0
+    _assert_same_training(ours, _run("ddp", 2, "bert"))

@@ -49,6 +49,8 @@ CONSTRUCTOR_RULES: tuple[Rule, ...] = (
     Rule("on_nonfinite", {"on_nonfinite": "ignore"}, _BAD_VALUES),
     Rule("async_checkpoint", {"async_checkpoint": "yes"}, _BAD_VALUES),
     Rule("activation_checkpointing", {"activation_checkpointing": "partial"}, _BAD_VALUES),
+    Rule("overlap_grad_reduce", {"overlap_grad_reduce": "auto"}, _BAD_VALUES),
+    Rule("overlap_param_gather", {"overlap_param_gather": True}, "`overlap_param_gather=True` without `use_distributed_optimizer=True`"),
     Rule("ep", {"ep": 2, "cp": 2}, "`ep > 1` with `cp > 1`"),
     Rule("cp_layout", {"cp": 2, "cp_layout": "zigzag"}, _BAD_VALUES),
     Rule("cp_output", {"cp": 2, "cp_output": "logits"}, _BAD_VALUES),
@@ -97,7 +99,12 @@ class MegatronConfig:
         detect_anomalies, on_nonfinite: check gradients for NaN/inf on every rank before each
             optimizer step, then ``"skip"`` the step on every rank or ``"raise"`` on every rank.
         use_distributed_optimizer: ZeRO-1 (fp32 main weights and optimizer state for 1/dp).
-        overlap_grad_reduce: start each bucket's DP reduction during the last backward.
+        overlap_grad_reduce: start each bucket's DP reduction during the last backward. ``None``
+            (default) = on, except with manual optimization or an ``on_after_backward`` hook
+            (see :mod:`megastrategy.ddp.overlap_policy`); the result is bit-identical either way.
+        overlap_param_gather: with ``use_distributed_optimizer``, all-gather the updated
+            parameters in the background after the optimizer step and wait for each bucket just
+            before its first forward use (checkpoints and evaluation wait for all of them).
         sequence_parallel: split LayerNorm/dropout regions along the sequence over TP ranks.
         activation_checkpointing: ``"full"`` recomputes each block, ``"selective"`` the attention
             core; both replay the dropout streams exactly.
@@ -131,7 +138,8 @@ class MegatronConfig:
     detect_anomalies: bool = False
     on_nonfinite: str = "raise"
     use_distributed_optimizer: bool = False
-    overlap_grad_reduce: bool = False
+    overlap_grad_reduce: Optional[bool] = None
+    overlap_param_gather: bool = False
     sequence_parallel: bool = False
     activation_checkpointing: Optional[str] = None
     backend: str = "auto"
@@ -177,6 +185,18 @@ class MegatronConfig:
                 raise MegatronConfigError(f"MegatronStrategy({name}={getattr(self, name)!r}): use one of {choices}.")
         if self.on_nonfinite not in ("skip", "raise"):
             raise MegatronConfigError(f"on_nonfinite={self.on_nonfinite!r}: use 'skip' or 'raise'.")
+        if self.overlap_grad_reduce not in (None, True, False):
+            raise MegatronConfigError(
+                f"MegatronStrategy(overlap_grad_reduce={self.overlap_grad_reduce!r}): use None (automatic: on unless "
+                "manual optimization or an on_after_backward hook), True or False."
+            )
+        if not isinstance(self.overlap_param_gather, bool):
+            raise MegatronConfigError(f"MegatronStrategy(overlap_param_gather={self.overlap_param_gather!r}): use True or False.")
+        if self.overlap_param_gather and not self.use_distributed_optimizer:
+            raise MegatronConfigError(
+                "MegatronStrategy(overlap_param_gather=True, use_distributed_optimizer=False): only the distributed "
+                "optimizer gathers parameters after its step. Set use_distributed_optimizer=True, or drop overlap_param_gather."
+            )
         if not isinstance(self.async_checkpoint, bool):
             raise MegatronConfigError(
                 f"MegatronStrategy(async_checkpoint={self.async_checkpoint!r}): use True (write checkpoints in a "

@@ -77,6 +77,11 @@ class Pipeline(Component):
         self._tied = [p for p in ctx.stage.tied_parameters if id(p) not in shared]
         self._embedding_group, self._pp_group = ps.embedding_group, ps.pp_group
 
+    def on_fit_setup(self, module: nn.Module, ctx: SetupContext) -> None:
+        # summed over stages after backward (finalize_grads): their buckets must not reduce early
+        if ctx.stage is not None:
+            ctx.grads_changed_after_backward.extend(list(ctx.stage.tied_parameters) + list(self._shared))
+
     def finalize_grads(self) -> bool:
         """Keep every stage's copy of a tied weight identical: sum the gradients of a tied embedding
         over the first and last stage, and of a block applied on several stages over the pipeline."""

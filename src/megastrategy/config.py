@@ -23,7 +23,8 @@ from megastrategy.layers.recompute import validate_recompute_mode
 from megastrategy.layers.sequence_parallel import validate_sequence_parallel
 from megastrategy.layers.te_backend import BACKENDS
 from megastrategy.parallel_state import DEFAULT_ORDER, ParallelLayout
-from megastrategy.pipeline.schedule_choice import validate_pipeline_schedule
+from megastrategy.pipeline.schedule_choice import schedule_vp_size, validate_pipeline_schedule
+from megastrategy.pipeline.zero_bubble_v import check_zb_v
 
 __all__ = ["MegatronConfig", "CONSTRUCTOR_RULES", "Rule", "split_strategy_arguments"]
 
@@ -76,8 +77,10 @@ class MegatronConfig:
     Args:
         tp: tensor-parallel size; every layer the plan names is split over ``tp`` ranks.
         pp, vp: pipeline stages, and virtual chunks per stage (interleaved schedule).
-        pipeline_schedule: ``"1f1b"`` (interleaved when ``vp > 1``) or ``"zb_h1"`` (zero bubble:
-            each backward split into the input gradient and a deferred weight gradient; vp=None).
+        pipeline_schedule: ``"1f1b"`` (interleaved when ``vp > 1``), ``"zb_h1"`` (zero bubble:
+            each backward split into the input gradient and a deferred weight gradient; vp=None) or
+            ``"zb_v"`` (zero bubble on two chunks per rank in a V, the loss on the first rank; vp=None
+            or 2, ``num_microbatches >= 2*pp - 1``).
         cp: context-parallel size: every training sequence is split over ``cp`` ranks (evaluation
             runs unsplit). cp_layout: ``"balanced"`` (``2·cp`` chunks, equal causal work),
             ``"contiguous"`` or ``"auto"`` (contiguous for bidirectional models). cp_output:
@@ -195,7 +198,9 @@ class MegatronConfig:
         if self.backend not in BACKENDS:
             raise MegatronConfigError(f"backend={self.backend!r}: use one of {', '.join(map(repr, BACKENDS))}.")
         validate_fp8(self.fp8, self.backend)
-        validate_pipeline_schedule(self.pipeline_schedule, self.pp, self.vp_size)
+        validate_pipeline_schedule(self.pipeline_schedule, self.pp, self.vp or 1)
+        if self.pipeline_schedule == "zb_v":
+            check_zb_v(self.num_microbatches, self.pp)
         if self.pipeline_schedule != "1f1b" and self.cuda_graph_scope:
             raise MegatronConfigError(
                 f"MegatronStrategy(pipeline_schedule={self.pipeline_schedule!r}, cuda_graph_scope="
@@ -218,7 +223,8 @@ class MegatronConfig:
 
     @property
     def vp_size(self) -> int:
-        return self.vp or 1
+        """Model chunks per pipeline rank: ``vp``, or two under ZB-V (its V needs them, ``vp=None`` included)."""
+        return schedule_vp_size(self.pipeline_schedule, self.vp or 1)
 
 
 def split_strategy_arguments(kwargs: dict[str, Any], lightning_names: set[str]) -> tuple[dict, dict]:

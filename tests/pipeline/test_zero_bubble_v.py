@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from megastrategy.errors import MegatronConfigError
-from megastrategy.pipeline import simulate_schedule
+from megastrategy.pipeline import forward_only_steps, simulate_schedule
 from megastrategy.pipeline.executor import PipelineExecutor
 from megastrategy.pipeline.p2p import PipelineCommunicator
 from megastrategy.pipeline.layer_assignment import assign_layers
@@ -62,6 +62,11 @@ def test_bubble_beside_1f1b_and_zb_h1_at_pp4_m8():
     assert max(zb_v.peak_in_flight) == 2 * max(one_f_one_b.peak_in_flight) == 8
 
 
+def test_evaluation_runs_through_the_v_without_deadlock():
+    stats = simulate_schedule(8, 4, forward_only=True, schedule="zb_v", p2p_time=0.1)
+    assert stats.vp_size == 2 and all(len(row) == 16 for row in stats.timeline)
+
+
 def test_rules_name_the_fix():
     with pytest.raises(MegatronConfigError, match=r"num_microbatches >= 7"):
         zb_v_steps(6, 4, 0)
@@ -112,6 +117,11 @@ def zb_v_run(comm, pp, rank, M, overlap):
         assert torch.allclose(layers[i].bias.grad, grads[i][1], atol=TOL, rtol=0), (pp, rank, i)
     assert ex.peak_in_flight == simulate_schedule(M, pp, schedule="zb_v").peak_in_flight[rank]
     assert ex.last_run["backwards"] == ex.last_run["weight_steps"] == 2 * M
+    # evaluation runs the same V, forwards only: the loss is still on rank 0
+    for p in layers.parameters():
+        p.grad = None
+    evaluated = ex.run(forward_only_steps(M, 2), forward_step=forward_step, num_microbatches=M, forward_only=True)
+    assert [o.item() for o in evaluated] == pytest.approx([o.item() for o in outs], abs=TOL)
 
 
 def _worker(rank: int, world: int) -> dict:

@@ -137,6 +137,7 @@ def main() -> None:
     p.add_argument("--distributed-optimizer", action="store_true", help="MegatronStrategy(use_distributed_optimizer=True)")
     p.add_argument("--overlap-grad-reduce", action="store_true", help="MegatronStrategy(overlap_grad_reduce=True)")
     p.add_argument("--pipeline-schedule", help="MegatronStrategy(pipeline_schedule=...)")
+    p.add_argument("--num-microbatches", type=int, help="MegatronStrategy(num_microbatches=...) (default: pp)")
     p.add_argument("--async-checkpoint", action="store_true", help="MegatronStrategy(async_checkpoint=True)")
     p.add_argument("--bucket-numel", type=int, help="MegatronStrategy(bucket_numel=...)")
     p.add_argument("--sequence-parallel", action="store_true", help="MegatronStrategy(sequence_parallel=True)")
@@ -180,6 +181,8 @@ def main() -> None:
             extra["async_checkpoint"] = True
         if args.pipeline_schedule:
             extra["pipeline_schedule"] = args.pipeline_schedule
+        if args.num_microbatches:
+            extra["num_microbatches"] = args.num_microbatches
         if args.distributed_optimizer or args.overlap_grad_reduce:
             extra.update(use_distributed_optimizer=args.distributed_optimizer, overlap_grad_reduce=args.overlap_grad_reduce)
         if args.sequence_parallel or args.recompute:

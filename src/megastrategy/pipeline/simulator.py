@@ -252,20 +252,19 @@ def simulate_schedule(
     weight_grad_time: float | None = None,
 ) -> ScheduleStats:
     """Simulate the training schedule ``schedule`` (see :mod:`.schedule_choice`) on every rank,
-    or the forward-only one.
+    or the forward-only one (on the schedule's placement: ZB-V's V evaluates through the V too).
 
     ``forward_time``/``backward_time`` are per step, i.e. per model chunk: to compare with a
     non-interleaved run of the same model, divide the stage times by ``vp_size``.
     """
+    check_positive_int("pp_size", pp_size)
+    vp_size = schedule_vp_size(schedule, vp_size)
+    placement = schedule_placement(schedule, pp_size, vp_size)
     if forward_only:
-        check_positive_int("pp_size", pp_size)
         steps = forward_only_steps(num_microbatches, vp_size, group_size)
         orders = [steps] * pp_size
         group = group_size
-        placement = None
     else:
-        vp_size = schedule_vp_size(schedule, vp_size)
-        placement = schedule_placement(schedule, pp_size, vp_size)
         group = None if schedule == "zb_v" else validate_schedule(num_microbatches, pp_size, vp_size, group_size)
         orders = [training_steps(schedule, num_microbatches, pp_size, r, vp_size, group_size) for r in range(pp_size)]
     return simulate_steps(

@@ -40,6 +40,7 @@ class Rule(NamedTuple):
 
 _BAD_VALUES = "bad argument values (`tp=0`, `tp_plan` not a dict, ...)"
 _ZB_ROW = "unknown `pipeline_schedule`, or `\"zb_h1\"` without `pp > 1`, with `vp` or with `cuda_graph_scope`"
+_ZBV_ROW = "`\"zb_v\"` without `pp > 1`, with `vp` other than 2, `num_microbatches < 2·pp - 1` or `cuda_graph_scope`"
 CONSTRUCTOR_RULES: tuple[Rule, ...] = (
     Rule("tp", {"tp": 0}, _BAD_VALUES),
     Rule("pp", {"pp": -1}, _BAD_VALUES),
@@ -68,6 +69,11 @@ CONSTRUCTOR_RULES: tuple[Rule, ...] = (
     Rule("pipeline_schedule", {"pp": 1, "pipeline_schedule": "zb_h1"}, _ZB_ROW),
     Rule("pipeline_schedule", {"pp": 2, "vp": 2, "pipeline_schedule": "zb_h1"}, _ZB_ROW),
     Rule("pipeline_schedule", {"pp": 2, "pipeline_schedule": "zb_h1", "cuda_graph_scope": ["attn"]}, _ZB_ROW),
+    Rule("pipeline_schedule", {"pp": 1, "pipeline_schedule": "zb_v"}, _ZBV_ROW),
+    Rule("pipeline_schedule", {"pp": 2, "vp": 4, "pipeline_schedule": "zb_v", "num_microbatches": 4}, _ZBV_ROW),
+    Rule("num_microbatches", {"pp": 4, "pipeline_schedule": "zb_v"}, _ZBV_ROW),
+    Rule("pipeline_schedule", {"pp": 2, "pipeline_schedule": "zb_v", "num_microbatches": 4, "cuda_graph_scope": ["attn"]},
+         _ZBV_ROW),
 )
 
 @dataclass(frozen=True)

@@ -86,6 +86,27 @@ def test_v_placement_puts_last_stage_on_rank_0():
     assert assign_layers(16, 4, 2, v)[0] == [[0, 1], [14, 15]]
 
 
+def test_stage_flags_follow_the_v():
+    """Rank 0 runs the first and the last stage: it keeps the embedding and the head, and a tied
+    weight's two uses are one parameter there (no copy to keep equal)."""
+    from megastrategy.pipeline.stage import PipelineStage
+
+    v = schedule_placement("zb_v", 2)
+    first = PipelineStage(stack_path="blocks", chunks=[[0], [3]], pp_rank=0, pp_size=2, vp_size=2, placement=v)
+    other = PipelineStage(stack_path="blocks", chunks=[[1], [2]], pp_rank=1, pp_size=2, vp_size=2, placement=v)
+    assert first.is_first_virtual(0) and first.is_last_virtual(1) and not first.is_last_virtual(0)
+    assert not any(other.is_first_virtual(c) or other.is_last_virtual(c) for c in (0, 1))
+    ring = PipelineStage(stack_path="blocks", chunks=[[1], [3]], pp_rank=1, pp_size=2, vp_size=2)
+    assert ring.is_last_virtual(1) and not ring.is_first_virtual(0)
+
+
+def test_executor_refuses_a_placement_for_another_layout():
+    from megastrategy.pipeline.executor import LocalCommunicator
+
+    with pytest.raises(ValueError, match="placement 'v' is for pp_size=2"):
+        PipelineExecutor(LocalCommunicator(), pp_size=1, pp_rank=0, vp_size=2, placement=schedule_placement("zb_v", 2))
+
+
 # ------------------------------------------------------------------------------------------
 # the executor on real processes: V placement, messages up and down, the turn a local copy
 # ------------------------------------------------------------------------------------------

@@ -51,6 +51,7 @@ ZB_V = {  # name: (model, processes, extra arguments of both runs, strategy argu
     "bert-pp2": ("bert", 2, ("--batch-size", "4"), ("--pp", "2", "--num-microbatches", "4")),
     "gpt-pp2": ("gpt", 2, ("--batch-size", "4"), ("--pp", "2", "--num-microbatches", "4", "--user-plan")),
     "gpt-pp4": ("gpt", 4, ("--batch-size", "8", "--layers", "8"), ("--pp", "4", "--num-microbatches", "8", "--user-plan")),
+    "bert-tp2-pp2": ("bert", 4, ("--batch-size", "4"), ("--tp", "2", "--pp", "2", "--num-microbatches", "4")),
 }
 
 

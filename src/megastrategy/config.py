@@ -23,7 +23,8 @@ from megastrategy.layers.recompute import validate_recompute_mode
 from megastrategy.layers.sequence_parallel import validate_sequence_parallel
 from megastrategy.layers.te_backend import BACKENDS
 from megastrategy.parallel_state import DEFAULT_ORDER, ParallelLayout
-from megastrategy.pipeline.schedule_choice import validate_pipeline_schedule
+from megastrategy.pipeline.schedule_choice import schedule_vp_size, validate_pipeline_schedule
+from megastrategy.pipeline.zero_bubble_v import check_zb_v
 
 __all__ = ["MegatronConfig", "CONSTRUCTOR_RULES", "Rule", "split_strategy_arguments"]
 
@@ -39,6 +40,7 @@ class Rule(NamedTuple):
 
 _BAD_VALUES = "bad argument values (`tp=0`, `tp_plan` not a dict, ...)"
 _ZB_ROW = "unknown `pipeline_schedule`, or `\"zb_h1\"` without `pp > 1`, with `vp` or with `cuda_graph_scope`"
+_ZBV_ROW = "`\"zb_v\"` without `pp > 1`, with `vp` other than 2, `num_microbatches < 2·pp - 1` or `cuda_graph_scope`"
 CONSTRUCTOR_RULES: tuple[Rule, ...] = (
     Rule("tp", {"tp": 0}, _BAD_VALUES),
     Rule("pp", {"pp": -1}, _BAD_VALUES),
@@ -69,6 +71,11 @@ CONSTRUCTOR_RULES: tuple[Rule, ...] = (
     Rule("pipeline_schedule", {"pp": 1, "pipeline_schedule": "zb_h1"}, _ZB_ROW),
     Rule("pipeline_schedule", {"pp": 2, "vp": 2, "pipeline_schedule": "zb_h1"}, _ZB_ROW),
     Rule("pipeline_schedule", {"pp": 2, "pipeline_schedule": "zb_h1", "cuda_graph_scope": ["attn"]}, _ZB_ROW),
+    Rule("pipeline_schedule", {"pp": 1, "pipeline_schedule": "zb_v"}, _ZBV_ROW),
+    Rule("pipeline_schedule", {"pp": 2, "vp": 4, "pipeline_schedule": "zb_v", "num_microbatches": 4}, _ZBV_ROW),
+    Rule("num_microbatches", {"pp": 4, "pipeline_schedule": "zb_v"}, _ZBV_ROW),
+    Rule("pipeline_schedule", {"pp": 2, "pipeline_schedule": "zb_v", "num_microbatches": 4, "cuda_graph_scope": ["attn"]},
+         _ZBV_ROW),
 )
 
 @dataclass(frozen=True)
@@ -78,8 +85,10 @@ class MegatronConfig:
     Args:
         tp: tensor-parallel size; every layer the plan names is split over ``tp`` ranks.
         pp, vp: pipeline stages, and virtual chunks per stage (interleaved schedule).
-        pipeline_schedule: ``"1f1b"`` (interleaved when ``vp > 1``) or ``"zb_h1"`` (zero bubble:
-            each backward split into the input gradient and a deferred weight gradient; vp=None).
+        pipeline_schedule: ``"1f1b"`` (interleaved when ``vp > 1``), ``"zb_h1"`` (zero bubble:
+            each backward split into the input gradient and a deferred weight gradient; vp=None) or
+            ``"zb_v"`` (zero bubble on two chunks per rank in a V, the loss on the first rank; vp=None
+            or 2, ``num_microbatches >= 2*pp - 1``).
         cp: context-parallel size: every training sequence is split over ``cp`` ranks (evaluation
             runs unsplit). cp_layout: ``"balanced"`` (``2·cp`` chunks, equal causal work),
             ``"contiguous"`` or ``"auto"`` (contiguous for bidirectional models). cp_output:
@@ -215,7 +224,9 @@ class MegatronConfig:
         if self.backend not in BACKENDS:
             raise MegatronConfigError(f"backend={self.backend!r}: use one of {', '.join(map(repr, BACKENDS))}.")
         validate_fp8(self.fp8, self.backend)
-        validate_pipeline_schedule(self.pipeline_schedule, self.pp, self.vp_size)
+        validate_pipeline_schedule(self.pipeline_schedule, self.pp, self.vp or 1)
+        if self.pipeline_schedule == "zb_v":
+            check_zb_v(self.num_microbatches, self.pp)
         if self.pipeline_schedule != "1f1b" and self.cuda_graph_scope:
             raise MegatronConfigError(
                 f"MegatronStrategy(pipeline_schedule={self.pipeline_schedule!r}, cuda_graph_scope="
@@ -238,7 +249,8 @@ class MegatronConfig:
 
     @property
     def vp_size(self) -> int:
-        return self.vp or 1
+        """Model chunks per pipeline rank: ``vp``, or two under ZB-V (its V needs them, ``vp=None`` included)."""
+        return schedule_vp_size(self.pipeline_schedule, self.vp or 1)
 
 
 def split_strategy_arguments(kwargs: dict[str, Any], lightning_names: set[str]) -> tuple[dict, dict]:

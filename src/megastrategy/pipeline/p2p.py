@@ -146,7 +146,7 @@ class _LoopbackRecv:
             box = self._comm._loopback[self._tag]
             if not box:
                 raise RuntimeError(
-                    "nothing was sent to this rank by itself (pp_size == 1) yet: the schedule receives before it sends"
+                    "nothing was sent to this rank by itself (pp_size == 1 or the turn of a V) yet: the schedule receives before it sends"
                 )
             self._buf.copy_(box.popleft())
             self._done = True
@@ -328,7 +328,7 @@ class PipelineCommunicator:
         self._pending_sends: list[_Send] = []
         self._abandoned: list[Tensor] = []  # buffers of transfers whose wait failed (kept alive)
         self._recv_queues: dict[int, deque[RecvHandle]] = {FORWARD: deque(), BACKWARD: deque()}
-        # in-process mailbox for pp_size == 1 (the rank is its own neighbour): tag -> tensors
+        # in-process mailbox for messages to this rank itself (pp_size == 1, a V's turn): tag -> tensors
         self._loopback: dict[int, deque[Tensor]] = {tag: deque() for tag in _TAGS.values()}
 
     # ------------------------------------------------------------------------------
@@ -408,20 +408,34 @@ class PipelineCommunicator:
         expect_shape=None,
         expect_dtype=None,
         expect_microbatch=None,
+        send_to: int | None = None,
+        recv_from: int | None = None,
     ) -> RecvHandle | None:
         """The general primitive: post an optional send (``"forward"`` to the next stage or
         ``"backward"`` to the previous one) and an optional receive (``"forward"``: an
         activation from the previous stage, ``"backward"``: a gradient from the next one) in
-        one batch. Returns the receive's handle (``None`` without a receive)."""
+        one batch. Returns the receive's handle (``None`` without a receive).
+
+        ``send_to``/``recv_from``: the peer's pipeline position (index into ``pp_ranks``) when it
+        is not the ring neighbour the direction implies, as under a V placement (chunk 1 sends
+        its activations up the ranks; the turn of the V is this rank itself, a local copy)."""
         send_ops = None
         if send is not None:
             if tensor is None:
                 raise ValueError(f"send={send!r} needs a tensor.")
-            send_ops = self._send_ops(_kind(send), tensor, microbatch)
+            send_ops = self._send_ops(_kind(send), tensor, microbatch, self._peer(send_to))
         recv_op = None
         if recv is not None:
-            recv_op = self._recv_op(_kind(recv), expect_shape, expect_dtype, expect_microbatch)
+            recv_op = self._recv_op(_kind(recv), expect_shape, expect_dtype, expect_microbatch, self._peer(recv_from))
         return self._post(send_ops, recv_op)
+
+    def _peer(self, position: int | None) -> int | None:
+        """The global rank at pipeline position ``position`` (``None``: the direction's ring neighbour)."""
+        if position is None:
+            return None
+        if not 0 <= position < self.pp_size:
+            raise ValueError(f"peer position {position} is outside the pipeline [0, {self.pp_size}).")
+        return self.pp_ranks[position]
 
     def wait_all(self) -> None:
         """Complete every posted receive (results are kept for their handles) and send."""
@@ -465,11 +479,15 @@ class PipelineCommunicator:
         values += [0] * (HEADER_LEN - len(values))
         return torch.tensor(values, dtype=torch.int64, device=self.wire)
 
-    def _send_ops(self, kind: int, tensor: Tensor, microbatch: int) -> list[tuple[str, Tensor, int, int, Any]]:
-        """(op, buffer, peer, tag, group) tuples sending ``tensor`` in direction ``kind``."""
+    def _send_ops(
+        self, kind: int, tensor: Tensor, microbatch: int, peer: int | None = None
+    ) -> list[tuple[str, Tensor, int, int, Any]]:
+        """(op, buffer, peer, tag, group) tuples sending ``tensor`` in direction ``kind``
+        (to ``peer``, a global rank, or by default the direction's ring neighbour)."""
         if not isinstance(tensor, Tensor):
             raise TypeError(f"pipeline p2p can only send tensors, got {type(tensor).__name__}.")
-        peer = self.next_rank if kind == FORWARD else self.prev_rank
+        if peer is None:
+            peer = self.next_rank if kind == FORWARD else self.prev_rank
         group = self._group(kind)
         tensor = tensor.detach()
         if tensor.device != self.wire:
@@ -495,8 +513,9 @@ class PipelineCommunicator:
         self.stats["header_bytes"] += header.numel() * header.element_size()
         return ops
 
-    def _recv_op(self, kind, expect_shape, expect_dtype, expect_microbatch):
-        peer = self.prev_rank if kind == FORWARD else self.next_rank
+    def _recv_op(self, kind, expect_shape, expect_dtype, expect_microbatch, peer: int | None = None):
+        if peer is None:
+            peer = self.prev_rank if kind == FORWARD else self.next_rank
         header = torch.empty(HEADER_LEN, dtype=torch.int64, device=self.wire)
         op = ("recv", header, peer, _TAGS[(kind, "hdr")], self._group(kind))
         return op, (kind, peer, header, expect_shape, expect_dtype, expect_microbatch)
@@ -526,7 +545,7 @@ class PipelineCommunicator:
         results: list[list] = [[] for _ in ops]
         remote = []
         for i, (kind, buf, peer, tag, group) in enumerate(ops):
-            if peer == self.rank:  # pp_size == 1: the rank is its own neighbour
+            if peer == self.rank:  # pp_size == 1, or the turn of a V placement: the rank is its own neighbour
                 if kind == "send":
                     self._loopback[tag].append(buf.clone())
                 else:

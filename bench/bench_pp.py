@@ -515,6 +515,7 @@ def p2p_worker(rank: int, world: int, sizes: list[int], iters: int) -> dict:
             dist.barrier()
             t0 = time.perf_counter()
             if mode == "ours":
+                comm.begin_step()  # a step: after the first, each tensor is one predicted message
                 if rank == 0:
                     comm.send_forward(t, microbatch=i)
                     comm.recv_backward(expect_microbatch=i)
@@ -546,9 +547,10 @@ def section_p2p(report: common.Report, timeout: float) -> None:
         ["bytes", "PipelineCommunicator ms", "plain gloo isend/irecv ms", "ours / plain", "extra ms per message"],
         rows,
         notes=[
-            "PipelineCommunicator sends a 16 x int64 header and then the payload; on gloo the receiver posts the payload "
-            "receive only after the header has arrived (p2p.py:236 RecvHandle._finish -> p2p.py:536 _recv_payload), so every message "
-            f"costs an extra hand-shake. {4 * 32 * HIDDEN * 4:,} B is one microbatch activation of section 1.",
+            "Each round trip is one communicator step (begin_step): after the first, PipelineCommunicator posts the "
+            "receive at the predicted size and each tensor is one message, its payload followed by a 32-byte trailer "
+            "(issue #16; before, a 16 x int64 header and then the payload, the payload receive posted only once the "
+            f"header had arrived). {4 * 32 * HIDDEN * 4:,} B is one microbatch activation of section 1.",
             "torch.distributed.pipelining posts irecv into pre-allocated buffers of known shape (after its first step).",
         ],
         raw=res,

@@ -55,6 +55,9 @@ class LocalCommunicator:
     pp_size = 1
     pp_rank = 0
 
+    def begin_step(self, label: object = "step") -> None:
+        pass
+
     def send_and_irecv(self, *args, **kwargs) -> RecvHandle:
         raise RuntimeError("a one-stage schedule has no neighbouring stage to send to or receive from.")
 
@@ -204,6 +207,8 @@ class PipelineExecutor:
         if backward_fn is not None and any(part is not StepPart.WHOLE for *_, part in plan):
             raise ValueError("backward_fn replaces a whole backward; a split (B/W) schedule runs its own.")
         run = _ScheduleRun(self, plan, num_microbatches, forward_only, loss_scale, backward_fn)
+        # message sizes repeat from step to step: the communicator predicts them per step kind
+        self.comm.begin_step("forward_only" if forward_only else "train")
         try:
             for i, (is_forward, chunk, mb, part) in enumerate(plan):
                 run.post_until(i)  # this step's own receive, unless posted earlier

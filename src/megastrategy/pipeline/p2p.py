@@ -1,17 +1,24 @@
 """Point-to-point messages between neighbouring pipeline stages.
 
-Every tensor travels as two messages: a fixed-size int64 *header* (direction, dtype,
-shape, transfer mode, microbatch id) and the *payload* (the tensor's bytes). The header
-lets the receiver allocate the right buffer, so microbatches of different sequence
-lengths and any dtype can flow, and lets it check what it got (a message from the wrong
+Inside a step (:meth:`PipelineCommunicator.begin_step`, called by the executor) a tensor
+whose dtype, shape and transfer mode are those of the tensor at the same position of the
+previous step travels as ONE message: its payload followed by a 32-byte trailer (direction,
+microbatch id, a signature of the shape), received into a buffer posted at the predicted
+size. Otherwise (the first step, a changed shape, or outside steps) it is *described*: an
+int64 header (direction, dtype, shape, mode, microbatch) then the payload, after a *resync*
+notice of the predicted size when a prediction was wrong (:mod:`.p2p_wire` has the
+protocol). So after the first step every rank sends and receives the schedule's minimum, one
+message per tensor crossing a boundary, while microbatches of changing sequence lengths and
+any dtype still flow, and the receiver checks what it got (a message from the wrong
 direction, an unexpected shape or microbatch) with an error instead of a hang or garbage.
 
 Activations (``forward``, to the next stage) and gradients (``backward``, to the previous
 stage) use distinct tags, so they cannot be confused even when the previous and the next
 stage are the same rank (``pp_size == 2`` with the ring the interleaved schedule needs).
-Headers and payloads also have their own tags; within one tag messages between a pair of
-ranks are matched first-in first-out, so receives must be posted in the order the peer
-sends (the executor posts them in schedule order).
+Predicted messages, headers, headers after a resync and described payloads have their own
+tags; within one tag messages between a pair of ranks are matched first-in first-out, so
+receives must be posted in the order the peer sends (the executor posts them in schedule
+order).
 
 Sends are asynchronous: the communicator keeps every send's buffers alive until its
 ``Work`` completes (checked on every later call, forced by :meth:`wait_all`), so a caller
@@ -21,7 +28,7 @@ Scatter-gather: with a tensor-parallel group of size ``tp > 1`` the activation (
 gradient) is the same on every TP rank, so each TP rank sends only its ``1/tp`` slice of
 the flattened bytes to its counterpart in the neighbouring stage, and the receiving TP
 ranks all-gather the slices. Used when the element count is divisible by ``tp``; a plain
-full send otherwise (the header says which, so both sides always agree). It must be off
+full send otherwise (the meta says which, so both sides always agree). It must be off
 (``scatter_gather=False``) when the tensors crossing stages differ between TP ranks, as
 with sequence parallelism.
 
@@ -38,13 +45,17 @@ from __future__ import annotations
 
 import datetime
 from collections import deque
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
 from megastrategy.collectives import all_gather_single
+from megastrategy.pipeline.p2p_wire import (
+    FLAG_DATA, FLAG_RESYNC, HEADER_LEN, MAX_NDIM, MODE_EMPTY, MODE_FULL, MODE_SCATTER, TRAILER_BYTES, LinkMemory,
+    Meta, fmt_shape, parse_trailer, trailer,
+)
 
 __all__ = ["PipelineCommunicator", "RecvHandle", "MAX_NDIM", "HEADER_LEN"]
 
@@ -52,43 +63,12 @@ FORWARD = 0
 BACKWARD = 1
 _KIND_NAMES = {FORWARD: "activation (forward)", BACKWARD: "gradient (backward)"}
 
-# Tags: one stream per (direction, header/payload). Arbitrary values away from 0, the tag
-# plain ``dist.send`` calls use by default.
+# Tags: per direction, one stream of predicted messages (payload + trailer, and resync
+# notices), one of headers posted with the receive, one of headers that follow a resync, and
+# one of described payloads. Arbitrary values away from 0, the tag plain ``dist.send`` uses.
 _TAG_BASE = 0x4D5000
-_TAGS = {
-    (FORWARD, "hdr"): _TAG_BASE + 1,
-    (FORWARD, "data"): _TAG_BASE + 2,
-    (BACKWARD, "hdr"): _TAG_BASE + 3,
-    (BACKWARD, "data"): _TAG_BASE + 4,
-}
-
-_MAGIC = 0x4D53_5050  # "MSPP"
-MAX_NDIM = 10
-HEADER_LEN = 6 + MAX_NDIM  # magic, kind, dtype code, ndim, mode, microbatch, dims...
-
-_MODE_FULL = 0  # whole tensor in one payload
-_MODE_SCATTER = 1  # each TP rank sends 1/tp of the bytes; receivers all-gather
-_MODE_EMPTY = 2  # numel == 0: header only
-
-_DTYPES: list[torch.dtype] = [
-    torch.float32,
-    torch.float64,
-    torch.float16,
-    torch.bfloat16,
-    torch.int64,
-    torch.int32,
-    torch.int16,
-    torch.int8,
-    torch.uint8,
-    torch.bool,
-    torch.complex64,
-    torch.complex128,
-]
-for _name in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz", "uint16", "uint32", "uint64"):
-    _dt = getattr(torch, _name, None)
-    if isinstance(_dt, torch.dtype) and _dt not in _DTYPES:
-        _DTYPES.append(_dt)
-_DTYPE_CODES = {dt: i for i, dt in enumerate(_DTYPES)}
+_STREAMS = ("data", "hdr", "rhdr", "full")
+_TAGS = {(kind, name): _TAG_BASE + 1 + 4 * kind + i for kind in (FORWARD, BACKWARD) for i, name in enumerate(_STREAMS)}
 
 _gather_single_ok = True
 
@@ -113,10 +93,6 @@ def wire_device(group, device: torch.device) -> torch.device:
         return device
     backend = str(dist.get_backend(group)).lower()
     return torch.device("cpu") if "gloo" in backend and "nccl" not in backend else device
-
-
-def _fmt_shape(shape: Sequence[int] | None) -> str:
-    return "None" if shape is None else "(" + ", ".join(str(int(d)) for d in shape) + ("," if len(shape) == 1 else "") + ")"
 
 
 class _Send:
@@ -154,32 +130,23 @@ class _LoopbackRecv:
 
 
 class RecvHandle:
-    """A posted receive: the header is on its way; :meth:`wait` returns the tensor.
+    """A posted receive: its first message is on its way; :meth:`wait` returns the tensor.
 
-    Handles of one direction complete in the order they were posted (waiting on a later
-    one first completes the earlier ones), which keeps the first-in first-out matching of
-    headers and payloads intact.
+    The first message is the predicted payload with its trailer when the link's memory
+    predicts the tensor (:mod:`.p2p_wire`), else the header. Handles of one direction
+    complete in the order they were posted (waiting on a later one first completes the
+    earlier ones), which keeps the first-in first-out matching of every stream intact.
     """
 
-    def __init__(
-        self,
-        comm: "PipelineCommunicator",
-        kind: int,
-        peer: int,
-        header: Tensor,
-        header_works: list,
-        expect_shape: Sequence[int] | None,
-        expect_dtype: torch.dtype | None,
-        expect_microbatch: int | None,
-    ) -> None:
+    def __init__(self, comm: "PipelineCommunicator", kind: int, peer: int, posted: tuple, works: list,
+                 expect: tuple) -> None:
         self._comm = comm
         self.kind = kind
         self.peer = peer
-        self._header = header
-        self._header_works = header_works
+        self._key, self._predicted, self._buf = posted
+        self._works = works
+        expect_shape, self._expect_dtype, self._expect_microbatch = expect
         self._expect_shape = None if expect_shape is None else tuple(int(d) for d in expect_shape)
-        self._expect_dtype = expect_dtype
-        self._expect_microbatch = expect_microbatch
         self._result: Tensor | None = None
         self._error: BaseException | None = None
         self._done = False
@@ -209,65 +176,65 @@ class RecvHandle:
     def _finish(self) -> Tensor:
         comm = self._comm
         what = f"{comm._direction_word(self.kind)} from rank {self.peer}"
-        comm._wait_works(self._header_works, f"the header of the {what}", keep=[self._header])
-        hdr = [int(v) for v in self._header.tolist()]
-        self._header = None  # type: ignore[assignment]
-        magic, kind, code, ndim, mode, microbatch = hdr[:6]
-        if (
-            magic != _MAGIC
-            or kind != self.kind
-            or not 0 <= ndim <= MAX_NDIM
-            or not 0 <= code < len(_DTYPES)
-            or mode not in (_MODE_FULL, _MODE_SCATTER, _MODE_EMPTY)
-        ):
-            raise RuntimeError(
-                f"pipeline p2p on rank {comm.rank}: corrupt or mismatched header in the {what}: expected a "
-                f"{_KIND_NAMES[self.kind]} message, got header {hdr}. The two stages' send/receive orders disagree "
-                f"(or another component uses the same process group and tags)."
-            )
-        shape = tuple(hdr[6 : 6 + ndim])
-        dtype = _DTYPES[code]
-        numel = 1
-        for d in shape:
-            numel *= d
-        nbytes = numel * dtype.itemsize
-
-        # receive the payload before any check, so that a mismatch leaves both sides in step
-        result = torch.empty(shape, dtype=dtype, device=comm.wire)
-        if mode == _MODE_SCATTER:
-            if comm.tp_size <= 1 or nbytes % comm.tp_size != 0:
-                raise RuntimeError(
-                    f"pipeline p2p on rank {comm.rank}: the {what} was sent scatter-gather, but this rank's "
-                    f"tp group has size {comm.tp_size} (shape {_fmt_shape(shape)}); both stages must use the "
-                    f"same tensor-parallel size and scatter_gather setting."
-                )
-            piece = torch.empty(nbytes // comm.tp_size, dtype=torch.uint8, device=comm.wire)
-            comm._recv_payload(self.kind, self.peer, piece, what)
-            if not self._mismatch(shape, dtype, microbatch):
-                comm._gather_bytes(piece, _as_bytes(result))
-        elif mode == _MODE_FULL:
-            comm._recv_payload(self.kind, self.peer, _as_bytes(result), what)
-
-        problem = self._mismatch(shape, dtype, microbatch)
+        buf, self._buf = self._buf, None
+        comm._wait_works(self._works, f"the first message of the {what}", keep=[buf])
+        if self._predicted is None:
+            meta, microbatch = self._described(buf, what)
+            result = comm._recv_described(self.kind, self.peer, meta, what)
+        else:
+            meta, microbatch, result = self._predicted_result(buf, what)
+        comm._link("recv", self.kind, self.peer).remember(self._key, meta)  # consumed: both ends stay in step
+        problem = self._mismatch(meta, microbatch)
         if problem:
             raise RuntimeError(f"pipeline p2p on rank {comm.rank}: {what}: {problem}")
         return result.to(comm.device)
 
-    def _mismatch(self, shape: tuple[int, ...], dtype: torch.dtype, microbatch: int) -> str:
+    def _predicted_result(self, buf: Tensor, what: str) -> tuple[Meta, int, Tensor]:
+        """Interpret the predicted message: the payload itself, or a resync notice."""
+        comm, meta = self._comm, self._predicted
+        n = len(buf) - TRAILER_BYTES
+        values = buf[n:].clone().view(torch.int64).tolist()
+        parsed = parse_trailer(values, self.kind)
+        if parsed is None:
+            raise comm._corrupt(self.kind, what, values)
+        flag, microbatch, sig = parsed
+        if flag == FLAG_RESYNC:
+            comm.stats["resyncs_received"] += 1
+            header = torch.empty(HEADER_LEN, dtype=torch.int64, device=comm.wire)
+            comm._recv_stream(self.kind, self.peer, header, "rhdr", f"the header of the {what}")
+            meta, microbatch = self._described(header, what)
+            return meta, microbatch, comm._recv_described(self.kind, self.peer, meta, what)
+        if sig != meta.signature():
+            raise comm._corrupt(self.kind, what, values)
+        if meta.mode != MODE_SCATTER:
+            return meta, microbatch, buf[:n].view(meta.dtype).reshape(meta.shape)
+        result = torch.empty(meta.shape, dtype=meta.dtype, device=comm.wire)
+        comm._gather_bytes(buf[:n], _as_bytes(result))
+        return meta, microbatch, result
+
+    def _described(self, header: Tensor, what: str) -> tuple[Meta, int]:
+        values = [int(v) for v in header.tolist()]
+        parsed = Meta.parse_header(values, self.kind)
+        if parsed is None:
+            raise self._comm._corrupt(self.kind, what, values)
+        return parsed
+
+    def _mismatch(self, meta: Meta, microbatch: int) -> str:
+        shape, dtype = meta.shape, meta.dtype
         shape_bad = self._expect_shape is not None and shape != self._expect_shape
         dtype_bad = self._expect_dtype is not None and dtype != self._expect_dtype
         if shape_bad or dtype_bad:
-            expected_shape = "any shape" if self._expect_shape is None else f"shape {_fmt_shape(self._expect_shape)}"
+            expected_shape = "any shape" if self._expect_shape is None else f"shape {fmt_shape(self._expect_shape)}"
             expected_dtype = "any dtype" if self._expect_dtype is None else f"dtype {self._expect_dtype}"
             return (
-                f"expected {expected_shape} {expected_dtype}, received shape {_fmt_shape(shape)} dtype {dtype}"
+                f"expected {expected_shape} {expected_dtype}, received shape {fmt_shape(shape)} dtype {dtype}"
                 + (f" (microbatch {microbatch})" if microbatch >= 0 else "")
                 + "."
             )
         if self._expect_microbatch is not None and microbatch >= 0 and microbatch != self._expect_microbatch:
             return (
                 f"expected the message of microbatch {self._expect_microbatch}, received microbatch {microbatch} "
-                f"(shape {_fmt_shape(shape)} {dtype}); the two stages run different schedules."
+                f"(shape {fmt_shape(shape)} {dtype}); the two stages run different schedules."
             )
         return ""
 
@@ -283,8 +250,10 @@ class PipelineCommunicator:
     ``RuntimeError`` names the peer and the message.
 
     ``stats`` counts what this rank sent: ``messages`` (tensors sent), ``bytes`` (payload
-    bytes, i.e. the ``1/tp`` slice under scatter-gather), ``header_bytes``, and
-    ``scatter_gather`` (tensors sent as slices).
+    bytes, i.e. the ``1/tp`` slice under scatter-gather), ``header_bytes`` (headers and
+    trailers), ``scatter_gather`` (tensors sent as slices), ``resyncs`` (mispredicted tensors
+    sent); and what it put on the wire: ``wire_sends`` and ``wire_recvs`` (point-to-point
+    messages posted), ``resyncs_received``.
     """
 
     def __init__(
@@ -324,7 +293,12 @@ class PipelineCommunicator:
             self.tp_rank = dist.get_rank(tp_group)
         self.scatter_gather = bool(scatter_gather)
         self.timeout = timeout
-        self.stats: dict[str, int] = {"messages": 0, "bytes": 0, "header_bytes": 0, "scatter_gather": 0}
+        self.stats: dict[str, int] = dict.fromkeys(
+            ("messages", "bytes", "header_bytes", "scatter_gather", "wire_sends", "wire_recvs", "resyncs",
+             "resyncs_received"), 0)
+        # what each end of this rank's links predicts, per ("send" | "recv", direction)
+        self._memory: dict[tuple[str, int, int], LinkMemory] = {}  # (side, kind, peer) -> memory
+        self._label: object = None  # the current step's label (None: outside a step, nothing predicted)
         self._pending_sends: list[_Send] = []
         self._abandoned: list[Tensor] = []  # buffers of transfers whose wait failed (kept alive)
         self._recv_queues: dict[int, deque[RecvHandle]] = {FORWARD: deque(), BACKWARD: deque()}
@@ -437,6 +411,24 @@ class PipelineCommunicator:
             raise ValueError(f"peer position {position} is outside the pipeline [0, {self.pp_size}).")
         return self.pp_ranks[position]
 
+    def begin_step(self, label: object = "step") -> None:
+        """Start a step: message positions restart, and each end predicts every tensor to be the
+        one at the same position of the last step with this ``label`` (:mod:`.p2p_wire`). The
+        neighbours must begin their steps at the same point of the message streams (every rank's
+        executor run begins one, and completes all its messages before returning)."""
+        self._label = label
+        for memory in self._memory.values():
+            memory.begin(label)
+
+    def _link(self, side: str, kind: int, peer: int) -> LinkMemory:
+        """This end's memory of the messages of direction ``kind`` to or from ``peer``: one per
+        link, since a V placement sends one direction to both neighbours, each its own stream."""
+        memory = self._memory.get((side, kind, peer))
+        if memory is None:
+            memory = self._memory[(side, kind, peer)] = LinkMemory()
+            memory.begin(self._label)
+        return memory
+
     def wait_all(self) -> None:
         """Complete every posted receive (results are kept for their handles) and send."""
         for kind in (FORWARD, BACKWARD):
@@ -466,62 +458,90 @@ class PipelineCommunicator:
     def _group(self, kind: int):
         return self.pp_group if kind == FORWARD else self.grad_group
 
-    def _header_for(self, kind: int, tensor: Tensor, mode: int, microbatch: int) -> Tensor:
-        if tensor.dim() > MAX_NDIM:
-            raise ValueError(
-                f"pipeline p2p can send tensors of at most {MAX_NDIM} dimensions; got shape "
-                f"{_fmt_shape(tensor.shape)}. Reshape the activation before it crosses a stage boundary."
-            )
-        code = _DTYPE_CODES.get(tensor.dtype)
-        if code is None:
-            raise TypeError(f"pipeline p2p cannot send dtype {tensor.dtype} (supported: {_DTYPES}).")
-        values = [_MAGIC, kind, code, tensor.dim(), mode, int(microbatch)] + list(tensor.shape)
-        values += [0] * (HEADER_LEN - len(values))
-        return torch.tensor(values, dtype=torch.int64, device=self.wire)
+    def _header_tensor(self, kind: int, meta: Meta, microbatch: int) -> Tensor:
+        return torch.tensor(meta.header(kind, microbatch), dtype=torch.int64, device=self.wire)
 
     def _send_ops(
         self, kind: int, tensor: Tensor, microbatch: int, peer: int | None = None
     ) -> list[tuple[str, Tensor, int, int, Any]]:
-        """(op, buffer, peer, tag, group) tuples sending ``tensor`` in direction ``kind``
-        (to ``peer``, a global rank, or by default the direction's ring neighbour)."""
+        """(op, buffer, peer, tag, group) tuples sending ``tensor`` in direction ``kind`` (to
+        ``peer``, a global rank, or by default the direction's ring neighbour): the one predicted
+        message, or (nothing predicted) header and payload, or (mispredicted) a resync notice of
+        the predicted size, header and payload."""
         if not isinstance(tensor, Tensor):
             raise TypeError(f"pipeline p2p can only send tensors, got {type(tensor).__name__}.")
         if peer is None:
             peer = self.next_rank if kind == FORWARD else self.prev_rank
-        group = self._group(kind)
         tensor = tensor.detach()
         if tensor.device != self.wire:
             tensor = tensor.to(self.wire)
-        nbytes = tensor.numel() * tensor.element_size()
         if tensor.numel() == 0:
-            mode = _MODE_EMPTY
+            mode = MODE_EMPTY
         elif self.scatter_gather and self.tp_size > 1 and peer != self.rank and tensor.numel() % self.tp_size == 0:
-            mode = _MODE_SCATTER
+            mode = MODE_SCATTER
         else:
-            mode = _MODE_FULL
-        header = self._header_for(kind, tensor, mode, microbatch)
-        ops = [("send", header, peer, _TAGS[(kind, "hdr")], group)]
-        if mode != _MODE_EMPTY:
-            payload = _as_bytes(tensor)
-            if mode == _MODE_SCATTER:
-                piece = nbytes // self.tp_size
-                payload = payload[self.tp_rank * piece : (self.tp_rank + 1) * piece]
-                self.stats["scatter_gather"] += 1
-            ops.append(("send", payload, peer, _TAGS[(kind, "data")], group))
-            self.stats["bytes"] += payload.numel()
+            mode = MODE_FULL
+        meta = Meta.of(tensor, mode)
+        memory = self._link("send", kind, peer)
+        key = memory.next_key()
+        predicted = memory.predict(key)
+        memory.remember(key, meta)
+        payload = self._payload_piece(tensor, meta)
         self.stats["messages"] += 1
+        self.stats["bytes"] += payload.numel()
+        if predicted == meta:
+            return [self._op(kind, peer, "data", self._with_trailer(payload, kind, FLAG_DATA, microbatch, meta))]
+        ops = []
+        if predicted is not None:  # the receiver posted a buffer of the predicted size: fill it, flagged
+            notice = torch.zeros(predicted.wire_bytes(self.tp_size), dtype=torch.uint8, device=self.wire)
+            ops.append(self._op(kind, peer, "data", self._with_trailer(notice, kind, FLAG_RESYNC, microbatch, meta)))
+            self.stats["resyncs"] += 1
+        header = self._header_tensor(kind, meta, microbatch)
         self.stats["header_bytes"] += header.numel() * header.element_size()
+        ops.append(self._op(kind, peer, "hdr" if predicted is None else "rhdr", header))
+        if mode != MODE_EMPTY:
+            ops.append(self._op(kind, peer, "full", payload))
         return ops
 
+    def _payload_piece(self, tensor: Tensor, meta: Meta) -> Tensor:
+        """The bytes this rank sends: all of them, or its ``1/tp`` slice under scatter-gather."""
+        payload = _as_bytes(tensor)
+        if meta.mode == MODE_SCATTER:
+            piece = meta.wire_bytes(self.tp_size)
+            payload = payload[self.tp_rank * piece : (self.tp_rank + 1) * piece]
+            self.stats["scatter_gather"] += 1
+        return payload
+
+    def _with_trailer(self, payload: Tensor, kind: int, flag: int, microbatch: int, meta: Meta) -> Tensor:
+        """``payload`` followed by the trailer, in one buffer (one copy of the payload)."""
+        n = payload.numel()
+        buf = torch.empty(n + TRAILER_BYTES, dtype=torch.uint8, device=self.wire)
+        buf[:n].copy_(payload)
+        tail = torch.tensor(trailer(kind, flag, microbatch, meta), dtype=torch.int64)
+        buf[n:].copy_(tail.view(torch.uint8))
+        self.stats["header_bytes"] += TRAILER_BYTES
+        return buf
+
+    def _op(self, kind: int, peer: int, stream: str, buf: Tensor, op: str = "send") -> tuple:
+        return (op, buf, peer, _TAGS[(kind, stream)], self._group(kind))
+
     def _recv_op(self, kind, expect_shape, expect_dtype, expect_microbatch, peer: int | None = None):
+        """The first receive of a message: the predicted payload and trailer, or the header."""
         if peer is None:
             peer = self.prev_rank if kind == FORWARD else self.next_rank
-        header = torch.empty(HEADER_LEN, dtype=torch.int64, device=self.wire)
-        op = ("recv", header, peer, _TAGS[(kind, "hdr")], self._group(kind))
-        return op, (kind, peer, header, expect_shape, expect_dtype, expect_microbatch)
+        memory = self._link("recv", kind, peer)
+        key = memory.next_key()
+        predicted = memory.predict(key)
+        if predicted is None:
+            buf = torch.empty(HEADER_LEN, dtype=torch.int64, device=self.wire)
+            op = self._op(kind, peer, "hdr", buf, "recv")
+        else:
+            buf = torch.empty(predicted.wire_bytes(self.tp_size) + TRAILER_BYTES, dtype=torch.uint8, device=self.wire)
+            op = self._op(kind, peer, "data", buf, "recv")
+        return op, (kind, peer, (key, predicted, buf), (expect_shape, expect_dtype, expect_microbatch))
 
     def _post(self, send_ops: list | None = None, recv: tuple | None = None) -> Any:
-        """Post sends and/or one header receive in one batch; return the RecvHandle if any."""
+        """Post sends and/or one receive's first message in one batch; return the RecvHandle if any."""
         self._reap()
         ops = list(send_ops or [])
         if recv is not None:
@@ -533,8 +553,8 @@ class PipelineCommunicator:
             self._pending_sends.append(_Send(send_works, [op[1] for op in ops[:n_send]]))
         if recv is None:
             return None
-        kind, peer, header, expect_shape, expect_dtype, expect_microbatch = recv[1]
-        handle = RecvHandle(self, kind, peer, header, works[n_send], expect_shape, expect_dtype, expect_microbatch)
+        kind, peer, posted, expect = recv[1]
+        handle = RecvHandle(self, kind, peer, posted, works[n_send], expect)
         self._recv_queues[kind].append(handle)
         return handle
 
@@ -545,6 +565,7 @@ class PipelineCommunicator:
         results: list[list] = [[] for _ in ops]
         remote = []
         for i, (kind, buf, peer, tag, group) in enumerate(ops):
+            self.stats["wire_sends" if kind == "send" else "wire_recvs"] += 1
             if peer == self.rank:  # pp_size == 1, or the turn of a V placement: the rank is its own neighbour
                 if kind == "send":
                     self._loopback[tag].append(buf.clone())
@@ -566,11 +587,36 @@ class PipelineCommunicator:
                     results[i] = list(works)
         return results
 
-    def _recv_payload(self, kind: int, peer: int, buf: Tensor, what: str) -> None:
+    def _recv_stream(self, kind: int, peer: int, buf: Tensor, stream: str, what: str) -> None:
+        """Receive one message of ``stream`` into ``buf`` and wait for it."""
         if buf.numel() == 0:
             return
-        works = self._launch([("recv", buf, peer, _TAGS[(kind, "data")], self._group(kind))])[0]
-        self._wait_works(works, f"the payload of the {what}", keep=[buf])
+        works = self._launch([self._op(kind, peer, stream, buf, "recv")])[0]
+        self._wait_works(works, what, keep=[buf])
+
+    def _recv_described(self, kind: int, peer: int, meta: Meta, what: str) -> Tensor:
+        """Receive the payload that a header described (all of it, or this rank's slice, then gather)."""
+        result = torch.empty(meta.shape, dtype=meta.dtype, device=self.wire)
+        if meta.mode == MODE_SCATTER:
+            if self.tp_size <= 1 or meta.nbytes % self.tp_size != 0:
+                raise RuntimeError(
+                    f"pipeline p2p on rank {self.rank}: the {what} was sent scatter-gather, but this rank's "
+                    f"tp group has size {self.tp_size} (shape {fmt_shape(meta.shape)}); both stages must use the "
+                    f"same tensor-parallel size and scatter_gather setting."
+                )
+            piece = torch.empty(meta.wire_bytes(self.tp_size), dtype=torch.uint8, device=self.wire)
+            self._recv_stream(kind, peer, piece, "full", f"the payload of the {what}")
+            self._gather_bytes(piece, _as_bytes(result))
+        elif meta.mode == MODE_FULL:
+            self._recv_stream(kind, peer, _as_bytes(result), "full", f"the payload of the {what}")
+        return result
+
+    def _corrupt(self, kind: int, what: str, values: list[int]) -> RuntimeError:
+        return RuntimeError(
+            f"pipeline p2p on rank {self.rank}: corrupt or mismatched message in the {what}: expected a "
+            f"{_KIND_NAMES[kind]} message, got header/trailer {values}. The two stages' send/receive orders "
+            f"disagree (or another component uses the same process group and tags)."
+        )
 
     def _gather_bytes(self, piece: Tensor, out: Tensor) -> None:
         """All-gather every TP rank's ``piece`` into the flat byte tensor ``out`` (rank order)."""

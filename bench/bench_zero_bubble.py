@@ -10,11 +10,13 @@ on real processes (gloo over 127.0.0.1, one thread each). Per pipeline size it r
 * ``ours 1F1B``: ``PipelineExecutor`` on ``schedule_steps``;
 * ``ours ZB-H1``: the executor on ``zb_h1_steps``, W restarting from B's recorded gradients;
 * ``ours ZB-H1 replay``: the same with ``reuse_saved_gradients=False`` (W replays the backward);
+* ``ours ZB-V``: the executor on ``zb_v_steps``, two chunks per rank in the V placement (loss on rank 0);
 * ``torch 1F1B``, ``torch ZB (interleaved)``: ``torch.distributed.pipelining``'s ``Schedule1F1B`` and
   ``ScheduleInterleavedZeroBubble`` with one stage per rank;
 * ``torch ZBV``: ``ScheduleZBVZeroBubble``, two stages per rank in a V (rank r holds r and 2p-1-r).
 
-For our runs it also times every F, B and W on every rank and feeds those times, per rank and
+Every run records each rank's CPU time per step (``process_time``), the figure to compare on a loaded
+machine. For our runs it also times every F, B and W on every rank and feeds those times, per rank and
 kind, to ``simulate_steps``: the measured idle time per rank (step time minus the rank's compute)
 is printed beside the simulated one. Results go to bench/results/bench_zero_bubble.{json,md}.
 """
@@ -35,7 +37,8 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from torch import nn  # noqa: E402
 
-IMPLS = ["ours 1F1B", "ours ZB-H1", "ours ZB-H1 replay", "torch 1F1B", "torch ZB (interleaved)", "torch ZBV"]
+IMPLS = ["ours 1F1B", "ours ZB-H1", "ours ZB-H1 replay", "ours ZB-V", "torch 1F1B", "torch ZB (interleaved)",
+         "torch ZBV"]
 
 
 # ======================================================================================
@@ -73,39 +76,59 @@ def _time_backwards(clock: StepClock, split: bool) -> None:
 def ours_worker(rank: int, world: int, impl: str, m: int, mb: int, seq: int, steps: int, warmup: int) -> dict:
     import torch.distributed as dist
 
-    from megastrategy.pipeline import assign_layers, schedule_steps, zb_h1_steps
+    from megastrategy.pipeline import assign_layers
     from megastrategy.pipeline.executor import PipelineExecutor
     from megastrategy.pipeline.p2p import PipelineCommunicator
 
     pp = world
+    name, vp, placement = _our_layout(impl, pp)
     blocks = bench_pp.build_blocks()
-    stage = nn.Sequential(*(blocks[i] for i in assign_layers(bench_pp.LAYERS, pp, 1)[rank][0]))
+    chunks = [nn.Sequential(*(blocks[i] for i in layers))
+              for layers in assign_layers(bench_pp.LAYERS, pp, vp, placement)[rank]]
+    params = [p for c in chunks for p in c.parameters()]
     x, y = bench_pp.make_data(m, mb, seq)
     xs, ys = x.chunk(m), y.chunk(m)
     comm = PipelineCommunicator(pp_group=dist.group.WORLD, pp_ranks=list(range(pp)), pp_rank=rank, device="cpu")
-    ex = PipelineExecutor(comm, pp_size=pp, pp_rank=rank, reuse_saved_gradients=not impl.endswith("replay"))
-    order = zb_h1_steps(m, pp, rank) if "ZB" in impl else schedule_steps(m, pp, rank)
+    ex = PipelineExecutor(comm, pp_size=pp, pp_rank=rank, vp_size=vp, placement=placement,
+                          reuse_saved_gradients=not impl.endswith("replay"))
+    order = _our_order(impl, m, pp, rank)
     clock = StepClock()
     _time_backwards(clock, split="ZB" in impl)
 
     def forward_step(chunk, i, inp):
-        h = stage(xs[i] if inp is None else inp)
-        return F.mse_loss(h, ys[i]) if rank == pp - 1 else h
+        h = chunks[chunk](xs[i] if inp is None else inp)
+        return F.mse_loss(h, ys[i]) if placement.stage(rank, chunk) == pp * vp - 1 else h
 
     timed_forward = clock.wrap(forward_step, "F")
     records = []
     for step in range(warmup + steps):
-        for p in stage.parameters():
+        for p in params:
             p.grad = None
         clock.times.clear()
         dist.barrier()
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         out = ex.run(order, forward_step=timed_forward, num_microbatches=m, loss_scale=1.0 / m)
-        elapsed = time.perf_counter() - t0
+        elapsed, cpu = time.perf_counter() - t0, time.process_time() - c0
         if step >= warmup:
-            records.append({"step": elapsed, "times": {k: list(v) for k, v in clock.times.items()}})
-    grad_sq = sum(float(p.grad.double().pow(2).sum()) for p in stage.parameters())
+            records.append({"step": elapsed, "cpu": cpu, "times": {k: list(v) for k, v in clock.times.items()}})
+    grad_sq = sum(float(p.grad.double().pow(2).sum()) for p in params)
     return {"records": records, "losses": [float(v) for v in out], "grad_sq": grad_sq}
+
+
+def _our_layout(impl: str, pp: int):
+    """(schedule name, chunks per rank, placement) of one of our implementations."""
+    from megastrategy.pipeline import schedule_placement
+
+    name = "zb_v" if impl == "ours ZB-V" else "zb_h1" if "ZB" in impl else "1f1b"
+    vp = 2 if name == "zb_v" else 1
+    return name, vp, schedule_placement(name, pp, vp)
+
+
+def _our_order(impl: str, m: int, pp: int, rank: int):
+    from megastrategy.pipeline import training_steps
+
+    name, vp, _ = _our_layout(impl, pp)
+    return training_steps(name, m, pp, rank, vp)
 
 
 # ======================================================================================
@@ -138,13 +161,13 @@ def torch_worker(rank: int, world: int, impl: str, m: int, mb: int, seq: int, st
         for p in params:
             p.grad = None
         dist.barrier()
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         losses: list = []
         schedule.step(*((x,) if first else ()), target=y if last else None, losses=losses if last else None,
                       return_outputs=False)
-        elapsed = time.perf_counter() - t0
+        elapsed, cpu = time.perf_counter() - t0, time.process_time() - c0
         if step >= warmup:
-            records.append({"step": elapsed, "times": {}})
+            records.append({"step": elapsed, "cpu": cpu, "times": {}})
     grad_sq = sum(float(p.grad.double().pow(2).sum()) for p in params)
     return {"records": records, "losses": [float(v.detach()) for v in losses], "grad_sq": grad_sq}
 
@@ -152,7 +175,7 @@ def torch_worker(rank: int, world: int, impl: str, m: int, mb: int, seq: int, st
 # ======================================================================================
 def simulated_idle(pp: int, m: int, impl: str, ranks: list[dict]) -> list[float]:
     """The simulator's idle seconds per rank, fed each rank's mean measured F, B, W (or whole) time."""
-    from megastrategy.pipeline import schedule_steps, simulate_steps, zb_h1_steps
+    from megastrategy.pipeline import simulate_steps
 
     means = []
     for r in ranks:
@@ -166,14 +189,16 @@ def simulated_idle(pp: int, m: int, impl: str, ranks: list[dict]) -> list[float]
         kind = step.kind if "ZB" in impl else ("F" if step.is_forward else "whole")
         return means[rank].get(kind, 0.0)
 
-    orders = [zb_h1_steps(m, pp, r) if "ZB" in impl else schedule_steps(m, pp, r) for r in range(pp)]
-    return simulate_steps(orders, step_time=cost).idle
+    _, vp, placement = _our_layout(impl, pp)
+    orders = [_our_order(impl, m, pp, r) for r in range(pp)]
+    return simulate_steps(orders, vp, step_time=cost, placement=placement).idle
 
 
 def summarize(pp: int, m: int, impl: str, ranks: list[dict], ref: dict) -> dict:
     n = len(ranks[0]["records"])
     makespan = [max(r["records"][s]["step"] for r in ranks) for s in range(n)]
-    out = {"impl": impl, "pp": pp, "step_ms": statistics.median(makespan) * 1e3}
+    out = {"impl": impl, "pp": pp, "step_ms": statistics.median(makespan) * 1e3,
+           "cpu_ms": [statistics.median(rec["cpu"] for rec in r["records"]) * 1e3 for r in ranks]}
     losses = next(r["losses"] for r in reversed(ranks) if r["losses"])
     out["loss_rel_err"] = abs(sum(losses) / len(losses) - ref["loss"]) / abs(ref["loss"])
     out["grad_rel_err"] = abs(sum(r["grad_sq"] for r in ranks) ** 0.5 - ref["grad_norm"]) / ref["grad_norm"]
@@ -262,11 +287,14 @@ def _tables(report: common.Report, a, best: dict) -> None:
         base = best.get((pp, "ours 1F1B"))
         for impl in a.impls:
             r = best[(pp, impl)]
+            cpu = statistics.mean(r["cpu_ms"])
             rows.append([f"pp={pp}", impl, r["step_ms"], common.ratio(r["step_ms"], base and base["step_ms"]),
                          common.ratio(best[(pp, "ours ZB-H1")]["step_ms"], r["step_ms"]) if (pp, "ours ZB-H1") in best else None,
+                         bench_pp.lst(r["cpu_ms"], 1), common.ratio(cpu, base and statistics.mean(base["cpu_ms"])),
                          f"{r['loss_rel_err']:.1e}", f"{r['grad_rel_err']:.1e}"])
-    report.table("Step time (median over steps, best of repeats)",
-                 ["pp", "schedule", "step ms", "/ ours 1F1B", "ours ZB-H1 / this", "loss rel err", "grad rel err"], rows,
+    report.table("Step time (median over steps, best of repeats) and CPU time per rank (median process_time)",
+                 ["pp", "schedule", "step ms", "/ ours 1F1B", "ours ZB-H1 / this", "CPU ms per rank",
+                  "mean CPU / ours 1F1B", "loss rel err", "grad rel err"], rows,
                  notes=[f"M={a.microbatches}, {a.mb}x{a.seq} tokens per microbatch, load {common.load_average()}"])
     rows = []
     for (pp, impl), r in sorted(best.items()):

@@ -1,8 +1,8 @@
-"""Draw the 1F1B, interleaved 1F1B and ZB-H1 timelines used in the docs (pp=4, m=8).
+"""Draw the 1F1B, interleaved 1F1B, ZB-H1 and ZB-V timelines used in the docs (pp=4, m=8).
 
 Run from the repository root:  python bench/draw_schedules.py [output_dir]
-Chunk times are the stage times divided by vp, and ZB-H1's B and W are each half a backward,
-so all pictures show the same model.
+Chunk times are the stage times divided by vp (ZB-V: two chunks per rank), and the zero-bubble
+schedules' B and W are each half a backward, so all pictures show the same model.
 """
 
 from __future__ import annotations
@@ -26,6 +26,11 @@ def main(out_dir: Path) -> None:
     draw_timeline(stats, out_dir / "schedule_zb_h1.png", f"ZB-H1: pp={PP}, m={M}, F = B = W")
     print(f"schedule_zb_h1.png: makespan {stats.makespan:g}, bubble {stats.bubble_fraction:.4f}, "
           f"idle per rank {stats.idle}, peak in-flight per rank {stats.peak_in_flight}")
+    stats = simulate_schedule(M, PP, forward_time=FORWARD / 2, backward_time=BACKWARD / 2, schedule="zb_v")
+    draw_timeline(stats, out_dir / "schedule_zb_v.png",
+                  f"ZB-V: pp={PP}, m={M}, two chunks per rank in a V (chunk 1 = way back up), F = B = W")
+    print(f"schedule_zb_v.png: makespan {stats.makespan:g}, bubble {stats.bubble_fraction:.4f}, "
+          f"idle per rank {stats.idle}, peak in-flight chunk-microbatches per rank {stats.peak_in_flight}")
 
 
 if __name__ == "__main__":

@@ -25,7 +25,7 @@ CLI_VALUES = {
     "broadcast_batch": ("true", True), "grad_reduce_in_fp32": ("false", False), "bucket_numel": ("1000", 1000),
     "timeout": ("0:05:00", timedelta(minutes=5)), "watchdog": ("false", False), "heartbeat_timeout": ("5.5", 5.5),
     "detect_anomalies": ("true", True), "async_checkpoint": ("true", True), "on_nonfinite": ("skip", "skip"), "use_distributed_optimizer": ("true", True),
-    "overlap_grad_reduce": ("true", True), "sequence_parallel": ("true", True),
+    "overlap_grad_reduce": ("true", True), "overlap_param_gather": ("true", True), "sequence_parallel": ("true", True),
     "activation_checkpointing": ("selective", "selective"), "backend": ("torch", "torch"), "fp8": ("false", False),
     "cuda_graph_scope": ('["moe_router"]', ("moe_router",)),
 }

@@ -71,6 +71,10 @@ class SetupContext:
     stage: Optional["PipelineStage"] = None  # Pipeline
     num_moe_layers: int = 0  # ExpertParallel
     grad_buffers: list["GradientBuffer"] = field(default_factory=list)  # GradientBuffers, ExpertParallel
+    # parameters whose main_grad a component changes between backward and the DP reduction (a
+    # pipeline's tied/shared weights, sequence-parallel norms): never reduced early (on_fit_setup)
+    grads_changed_after_backward: list[nn.Parameter] = field(default_factory=list)  # Pipeline, SequenceParallel
+    overlap_grad_reduce: bool = False  # the strategy, per fit (ddp/overlap_policy.py resolves None)
     precision_plugin: Any = None
 
     @classmethod

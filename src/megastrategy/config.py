@@ -23,7 +23,8 @@ from megastrategy.layers.recompute import validate_recompute_mode
 from megastrategy.layers.sequence_parallel import validate_sequence_parallel
 from megastrategy.layers.te_backend import BACKENDS
 from megastrategy.parallel_state import DEFAULT_ORDER, ParallelLayout
-from megastrategy.pipeline.schedule_choice import validate_pipeline_schedule
+from megastrategy.pipeline.schedule_choice import schedule_vp_size, validate_pipeline_schedule
+from megastrategy.pipeline.zero_bubble_v import check_zb_v
 
 __all__ = ["MegatronConfig", "CONSTRUCTOR_RULES", "Rule", "split_strategy_arguments"]
 
@@ -39,6 +40,7 @@ class Rule(NamedTuple):
 
 _BAD_VALUES = "bad argument values (`tp=0`, `tp_plan` not a dict, ...)"
 _ZB_ROW = "unknown `pipeline_schedule`, or `\"zb_h1\"` without `pp > 1`, with `vp` or with `cuda_graph_scope`"
+_ZBV_ROW = "`\"zb_v\"` without `pp > 1`, with `vp` other than 2, `num_microbatches < 2·pp - 1` or `cuda_graph_scope`"
 CONSTRUCTOR_RULES: tuple[Rule, ...] = (
     Rule("tp", {"tp": 0}, _BAD_VALUES),
     Rule("pp", {"pp": -1}, _BAD_VALUES),
@@ -49,6 +51,8 @@ CONSTRUCTOR_RULES: tuple[Rule, ...] = (
     Rule("on_nonfinite", {"on_nonfinite": "ignore"}, _BAD_VALUES),
     Rule("async_checkpoint", {"async_checkpoint": "yes"}, _BAD_VALUES),
     Rule("activation_checkpointing", {"activation_checkpointing": "partial"}, _BAD_VALUES),
+    Rule("overlap_grad_reduce", {"overlap_grad_reduce": "auto"}, _BAD_VALUES),
+    Rule("overlap_param_gather", {"overlap_param_gather": True}, "`overlap_param_gather=True` without `use_distributed_optimizer=True`"),
     Rule("ep", {"ep": 2, "cp": 2}, "`ep > 1` with `cp > 1`"),
     Rule("cp_layout", {"cp": 2, "cp_layout": "zigzag"}, _BAD_VALUES),
     Rule("cp_output", {"cp": 2, "cp_output": "logits"}, _BAD_VALUES),
@@ -67,6 +71,11 @@ CONSTRUCTOR_RULES: tuple[Rule, ...] = (
     Rule("pipeline_schedule", {"pp": 1, "pipeline_schedule": "zb_h1"}, _ZB_ROW),
     Rule("pipeline_schedule", {"pp": 2, "vp": 2, "pipeline_schedule": "zb_h1"}, _ZB_ROW),
     Rule("pipeline_schedule", {"pp": 2, "pipeline_schedule": "zb_h1", "cuda_graph_scope": ["attn"]}, _ZB_ROW),
+    Rule("pipeline_schedule", {"pp": 1, "pipeline_schedule": "zb_v"}, _ZBV_ROW),
+    Rule("pipeline_schedule", {"pp": 2, "vp": 4, "pipeline_schedule": "zb_v", "num_microbatches": 4}, _ZBV_ROW),
+    Rule("num_microbatches", {"pp": 4, "pipeline_schedule": "zb_v"}, _ZBV_ROW),
+    Rule("pipeline_schedule", {"pp": 2, "pipeline_schedule": "zb_v", "num_microbatches": 4, "cuda_graph_scope": ["attn"]},
+         _ZBV_ROW),
 )
 
 @dataclass(frozen=True)
@@ -76,8 +85,10 @@ class MegatronConfig:
     Args:
         tp: tensor-parallel size; every layer the plan names is split over ``tp`` ranks.
         pp, vp: pipeline stages, and virtual chunks per stage (interleaved schedule).
-        pipeline_schedule: ``"1f1b"`` (interleaved when ``vp > 1``) or ``"zb_h1"`` (zero bubble:
-            each backward split into the input gradient and a deferred weight gradient; vp=None).
+        pipeline_schedule: ``"1f1b"`` (interleaved when ``vp > 1``), ``"zb_h1"`` (zero bubble:
+            each backward split into the input gradient and a deferred weight gradient; vp=None) or
+            ``"zb_v"`` (zero bubble on two chunks per rank in a V, the loss on the first rank; vp=None
+            or 2, ``num_microbatches >= 2*pp - 1``).
         cp: context-parallel size: every training sequence is split over ``cp`` ranks (evaluation
             runs unsplit). cp_layout: ``"balanced"`` (``2·cp`` chunks, equal causal work),
             ``"contiguous"`` or ``"auto"`` (contiguous for bidirectional models). cp_output:
@@ -97,7 +108,12 @@ class MegatronConfig:
         detect_anomalies, on_nonfinite: check gradients for NaN/inf on every rank before each
             optimizer step, then ``"skip"`` the step on every rank or ``"raise"`` on every rank.
         use_distributed_optimizer: ZeRO-1 (fp32 main weights and optimizer state for 1/dp).
-        overlap_grad_reduce: start each bucket's DP reduction during the last backward.
+        overlap_grad_reduce: start each bucket's DP reduction during the last backward. ``None``
+            (default) = on, except with manual optimization or an ``on_after_backward`` hook
+            (see :mod:`megastrategy.ddp.overlap_policy`); the result is bit-identical either way.
+        overlap_param_gather: with ``use_distributed_optimizer``, all-gather the updated
+            parameters in the background after the optimizer step and wait for each bucket just
+            before its first forward use (checkpoints and evaluation wait for all of them).
         sequence_parallel: split LayerNorm/dropout regions along the sequence over TP ranks.
         activation_checkpointing: ``"full"`` recomputes each block, ``"selective"`` the attention
             core; both replay the dropout streams exactly.
@@ -131,7 +147,8 @@ class MegatronConfig:
     detect_anomalies: bool = False
     on_nonfinite: str = "raise"
     use_distributed_optimizer: bool = False
-    overlap_grad_reduce: bool = False
+    overlap_grad_reduce: Optional[bool] = None
+    overlap_param_gather: bool = False
     sequence_parallel: bool = False
     activation_checkpointing: Optional[str] = None
     backend: str = "auto"
@@ -177,6 +194,18 @@ class MegatronConfig:
                 raise MegatronConfigError(f"MegatronStrategy({name}={getattr(self, name)!r}): use one of {choices}.")
         if self.on_nonfinite not in ("skip", "raise"):
             raise MegatronConfigError(f"on_nonfinite={self.on_nonfinite!r}: use 'skip' or 'raise'.")
+        if self.overlap_grad_reduce not in (None, True, False):
+            raise MegatronConfigError(
+                f"MegatronStrategy(overlap_grad_reduce={self.overlap_grad_reduce!r}): use None (automatic: on unless "
+                "manual optimization or an on_after_backward hook), True or False."
+            )
+        if not isinstance(self.overlap_param_gather, bool):
+            raise MegatronConfigError(f"MegatronStrategy(overlap_param_gather={self.overlap_param_gather!r}): use True or False.")
+        if self.overlap_param_gather and not self.use_distributed_optimizer:
+            raise MegatronConfigError(
+                "MegatronStrategy(overlap_param_gather=True, use_distributed_optimizer=False): only the distributed "
+                "optimizer gathers parameters after its step. Set use_distributed_optimizer=True, or drop overlap_param_gather."
+            )
         if not isinstance(self.async_checkpoint, bool):
             raise MegatronConfigError(
                 f"MegatronStrategy(async_checkpoint={self.async_checkpoint!r}): use True (write checkpoints in a "
@@ -195,7 +224,9 @@ class MegatronConfig:
         if self.backend not in BACKENDS:
             raise MegatronConfigError(f"backend={self.backend!r}: use one of {', '.join(map(repr, BACKENDS))}.")
         validate_fp8(self.fp8, self.backend)
-        validate_pipeline_schedule(self.pipeline_schedule, self.pp, self.vp_size)
+        validate_pipeline_schedule(self.pipeline_schedule, self.pp, self.vp or 1)
+        if self.pipeline_schedule == "zb_v":
+            check_zb_v(self.num_microbatches, self.pp)
         if self.pipeline_schedule != "1f1b" and self.cuda_graph_scope:
             raise MegatronConfigError(
                 f"MegatronStrategy(pipeline_schedule={self.pipeline_schedule!r}, cuda_graph_scope="
@@ -218,7 +249,8 @@ class MegatronConfig:
 
     @property
     def vp_size(self) -> int:
-        return self.vp or 1
+        """Model chunks per pipeline rank: ``vp``, or two under ZB-V (its V needs them, ``vp=None`` included)."""
+        return schedule_vp_size(self.pipeline_schedule, self.vp or 1)
 
 
 def split_strategy_arguments(kwargs: dict[str, Any], lightning_names: set[str]) -> tuple[dict, dict]:

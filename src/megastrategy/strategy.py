@@ -26,6 +26,7 @@ from megastrategy.checkpoint.strategy_methods import CheckpointMethods
 from megastrategy.component import Component, Environment, SetupContext
 from megastrategy.component_list import ComponentList
 from megastrategy.config import MegatronConfig, split_strategy_arguments
+from megastrategy.ddp.overlap_policy import resolve_overlap_grad_reduce
 from megastrategy.parallel_state import ParallelLayout, ParallelState
 from megastrategy.pipeline.step_runner import StepRunner
 from megastrategy.rank_zero import log_on_rank_zero
@@ -166,6 +167,10 @@ class MegatronStrategy(LightningStepMethods, CheckpointMethods, ReplicaCollectiv
 
     def _setup_gradients(self, trainer: "pl.Trainer", module: nn.Module) -> None:
         self._ctx.grad_buffers.clear()
+        self._ctx.grads_changed_after_backward.clear()
+        overlap, why = resolve_overlap_grad_reduce(self.config.overlap_grad_reduce, module, trainer)
+        self._ctx.overlap_grad_reduce = overlap
+        log.debug("megastrategy: overlap_grad_reduce=%s (%s)", overlap, why)
         self.components.each("on_fit_setup", module, self._ctx)
         self.setup_optimizers(trainer)
         self.optimizers = self.components.chain("wrap_optimizers", self.optimizers)
@@ -226,6 +231,26 @@ class MegatronStrategy(LightningStepMethods, CheckpointMethods, ReplicaCollectiv
         if not self._grads_finalized and any(b.has_grads for b in self._ctx.grad_buffers):
             self.components.finalize_grads()  # every rank skips together when one component says so
         self._grads_finalized = True
+
+    # ------------------------------------------------------------------ parameter reads
+    def wait_for_param_gather(self) -> None:
+        """With ``overlap_param_gather``: finish the background all-gathers of the last optimizer
+        step, so every parameter holds its update. Forward pre-hooks do this per bucket during
+        training; the strategy calls it before checkpoints, evaluation and the end of training.
+        Call it yourself before reading parameters outside a forward (e.g. in ``on_train_batch_end``)."""
+        self.grad_buffers.wait_for_params()
+
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        self.wait_for_param_gather()
+        return super().lightning_module_state_dict()
+
+    def on_validation_start(self) -> None:
+        self.wait_for_param_gather()
+        super().on_validation_start()
+
+    def on_train_end(self) -> None:  # test/predict after fit start from gathered parameters
+        self.wait_for_param_gather()
+        super().on_train_end()
 
     # ------------------------------------------------------------------ end
     def on_exception(self, exception: BaseException) -> None:

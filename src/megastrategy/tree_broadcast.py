@@ -7,6 +7,12 @@ header message only when a tree has too many tensors to fit) and one byte buffer
 tensor, packed at aligned offsets. The structure around the tensors (containers, strings, ints) is
 pickled only when it differs from the previous broadcast's, which in a training loop is once; a
 per-step ``broadcast_object_list`` would cost a pickle and two extra messages every step.
+
+The sender does not wait for its messages to arrive: it posts them and goes on (the receivers need
+the value; the sender already has it). Otherwise the broadcast would hold the sender until the
+slowest receiver reaches it: the pipeline's last stage, which relays the model's output and
+finishes its schedule before the first stage does, would sit idle instead of stepping its
+optimizer. The posted buffers are kept until the next broadcast (or :meth:`wait_sent`).
 """
 from __future__ import annotations
 
@@ -64,6 +70,7 @@ class TreeBroadcast:
         self.device = device if device is not None else torch.device("cpu")
         self._encode, self._decode = encode, decode
         self._structure: Any = None  # the last structure, the same on every rank
+        self._in_flight: list[tuple[Any, Tensor]] = []  # the sender's posted messages and their buffers
         self.last_bytes = 0
 
     def __call__(self, value: Any = None) -> Any:
@@ -71,8 +78,15 @@ class TreeBroadcast:
             return self._send(value)
         return self._receive()
 
+    def wait_sent(self) -> None:
+        """Wait until the messages this rank posted as the sender have left (a no-op elsewhere)."""
+        in_flight, self._in_flight = self._in_flight, []
+        for work, _ in in_flight:
+            work.wait()
+
     # ------------------------------------------------------------------ sender
     def _send(self, value: Any) -> Any:
+        self.wait_sent()
         leaves, spec = flatten_batch(value)
         tensors = [leaf.detach().to(self.device) for leaf in leaves if isinstance(leaf, Tensor)]
         structure = (spec, tuple(_TensorSlot() if isinstance(leaf, Tensor) else leaf for leaf in leaves))
@@ -128,20 +142,27 @@ class TreeBroadcast:
         if header is not None:
             full = torch.tensor([len(header) + 1, *header], dtype=torch.int64, device=self.device)
             first[:min(len(full), HEADER_SLOTS)] = full[:HEADER_SLOTS]
-        dist.broadcast(first, src=self.src, group=self.group)
+        self._broadcast(first)
         length = int(first[0])
         if length <= HEADER_SLOTS:
             return first[1:length].tolist()
         rest = full[HEADER_SLOTS:] if header is not None else torch.empty(
             length - HEADER_SLOTS, dtype=torch.int64, device=self.device)
-        dist.broadcast(rest, src=self.src, group=self.group)
+        self._broadcast(rest)
         return torch.cat([first[1:], rest]).tolist()
 
     def _broadcast_payload(self, buffer: Tensor, header: list[int]) -> None:
         if buffer.numel():
-            dist.broadcast(buffer, src=self.src, group=self.group)
+            self._broadcast(buffer)
         messages = HEADER_SLOTS if len(header) + 1 <= HEADER_SLOTS else len(header) + 1
         self.last_bytes = 8 * messages + buffer.numel()
+
+    def _broadcast(self, tensor: Tensor) -> None:
+        """One message: posted without waiting on the sender, waited for on a receiver."""
+        if dist.get_rank() != self.src:
+            dist.broadcast(tensor, src=self.src, group=self.group)
+            return
+        self._in_flight.append((dist.broadcast(tensor, src=self.src, group=self.group, async_op=True), tensor))
 
 
 def _packed(layout: list[tuple[torch.dtype, tuple[int, ...]]], device: torch.device) -> tuple[Tensor, list[Tensor]]:

@@ -2,15 +2,17 @@ import pytest
 
 from megastrategy.errors import MegatronConfigError
 from megastrategy.pipeline import ScheduleStep, schedule_steps, training_steps, validate_pipeline_schedule, zb_h1_steps
+from megastrategy.pipeline.zero_bubble_v import zb_v_steps
 
 
 def test_names_pick_their_orders():
     assert training_steps("1f1b", 8, 4, 1, 2) == schedule_steps(8, 4, 1, 2)
     assert training_steps("zb_h1", 8, 4, 1) == zb_h1_steps(8, 4, 1)
+    assert training_steps("zb_v", 8, 4, 1, 2) == zb_v_steps(8, 4, 1)
 
 
 def test_unknown_name_lists_the_choices():
-    with pytest.raises(MegatronConfigError, match=r"pipeline_schedule='gpipe'.*'1f1b'.*'zb_h1'"):
+    with pytest.raises(MegatronConfigError, match=r"pipeline_schedule='gpipe'.*'1f1b'.*'zb_h1'.*'zb_v'"):
         validate_pipeline_schedule("gpipe", 2, 1)
 
 

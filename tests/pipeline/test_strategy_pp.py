@@ -47,6 +47,21 @@ ZERO_BUBBLE = {  # name: (model, processes, dp, strategy arguments); ZB-H1 with 
 }
 
 
+ZB_V = {  # name: (model, processes, extra arguments of both runs, strategy arguments); loss on pp rank 0
+    "bert-pp2": ("bert", 2, ("--batch-size", "4"), ("--pp", "2", "--num-microbatches", "4")),
+    "gpt-pp2": ("gpt", 2, ("--batch-size", "4"), ("--pp", "2", "--num-microbatches", "4", "--user-plan")),
+    "gpt-pp4": ("gpt", 4, ("--batch-size", "8", "--layers", "8"), ("--pp", "4", "--num-microbatches", "8", "--user-plan")),
+    "bert-tp2-pp2": ("bert", 4, ("--batch-size", "4"), ("--tp", "2", "--pp", "2", "--num-microbatches", "4")),
+}
+
+
+@pytest.mark.parametrize("case", sorted(ZB_V))
+def test_zb_v_matches_ddp(case):
+    """ZB-V: two chunks per rank in a V, the head, the loss and the tied embedding's both uses on rank 0."""
+    model, nprocs, both, extra = ZB_V[case]
+    _assert_same(_run("megatron", nprocs, model, "--pipeline-schedule", "zb_v", *both, *extra), _run("ddp", 1, model, *both))
+
+
 @pytest.mark.parametrize("case", sorted(ZERO_BUBBLE))
 def test_zero_bubble_schedule_matches_ddp(case):
     """TP's backward collectives run in B (they are on the input-gradient path) on every TP rank alike."""

@@ -135,8 +135,11 @@ def main() -> None:
     p.add_argument("--clip", type=float, default=None)
     p.add_argument("--accumulate", type=int, default=1)
     p.add_argument("--distributed-optimizer", action="store_true", help="MegatronStrategy(use_distributed_optimizer=True)")
-    p.add_argument("--overlap-grad-reduce", action="store_true", help="MegatronStrategy(overlap_grad_reduce=True)")
+    p.add_argument("--overlap-grad-reduce", nargs="?", const="on", choices=["on", "off"],
+                   help="MegatronStrategy(overlap_grad_reduce=True/False); absent: the default (None = auto)")
+    p.add_argument("--overlap-param-gather", action="store_true", help="MegatronStrategy(overlap_param_gather=True)")
     p.add_argument("--pipeline-schedule", help="MegatronStrategy(pipeline_schedule=...)")
+    p.add_argument("--num-microbatches", type=int, help="MegatronStrategy(num_microbatches=...) (default: pp)")
     p.add_argument("--async-checkpoint", action="store_true", help="MegatronStrategy(async_checkpoint=True)")
     p.add_argument("--bucket-numel", type=int, help="MegatronStrategy(bucket_numel=...)")
     p.add_argument("--sequence-parallel", action="store_true", help="MegatronStrategy(sequence_parallel=True)")
@@ -180,8 +183,12 @@ def main() -> None:
             extra["async_checkpoint"] = True
         if args.pipeline_schedule:
             extra["pipeline_schedule"] = args.pipeline_schedule
-        if args.distributed_optimizer or args.overlap_grad_reduce:
-            extra.update(use_distributed_optimizer=args.distributed_optimizer, overlap_grad_reduce=args.overlap_grad_reduce)
+        if args.num_microbatches:
+            extra["num_microbatches"] = args.num_microbatches
+        if args.distributed_optimizer:
+            extra.update(use_distributed_optimizer=True, overlap_param_gather=args.overlap_param_gather)
+        if args.overlap_grad_reduce:
+            extra["overlap_grad_reduce"] = args.overlap_grad_reduce == "on"
         if args.sequence_parallel or args.recompute:
             extra.update(sequence_parallel=args.sequence_parallel, activation_checkpointing=args.recompute)
         make = MegatronStrategy
@@ -258,6 +265,8 @@ def main() -> None:
     result["skipped_steps"] = guard.skipped_steps if guard is not None else 0
     result["optimizer"] = type(trainer.optimizers[0]).__name__
     result["early_bucket_starts"] = rec.early_bucket_starts
+    gathers = [o.param_gather for o in trainer.optimizers if getattr(o, "param_gather", None) is not None]
+    result["gathers_waited_in_forward"] = sum(g.num_waited_in_forward for g in gathers)
     graphs = getattr(component(_component_type("cuda_graphs.component", "CudaGraphs")), "manager", None)
     if graphs is not None:
         result["cuda_graph_counts"] = dict(graphs.counts())

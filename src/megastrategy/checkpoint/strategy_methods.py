@@ -22,10 +22,14 @@ class CheckpointMethods:
 
     checkpoints: Any
 
+    def wait_for_param_gather(self) -> None:
+        """Finish background parameter gathers before parameters are read (the strategy's own)."""
+
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath, storage_options: Optional[Any] = None) -> None:
         """Collective: every rank writes its own shards into the checkpoint directory ``filepath``."""
         if storage_options is not None:
             raise TypeError("MegatronStrategy.save_checkpoint: storage_options are not supported.")
+        self.wait_for_param_gather()  # overlap_param_gather: the step's update in every parameter
         barrier = lambda: self.barrier("megastrategy.save_checkpoint")  # noqa: E731
         self.checkpoints.save(self.lightning_module, lambda: list(self.optimizers), checkpoint, filepath, barrier)
 
@@ -44,6 +48,7 @@ class CheckpointMethods:
         Every rank writes its own shards to a staging checkpoint beside ``out_dir`` (no gather);
         rank 0 then assembles one tensor at a time, so no process ever holds the whole model.
         """
+        self.wait_for_param_gather()
         out = Path(out_dir)
         staging = out.with_name(out.name + ".staging")
         self.checkpoints.save(self.lightning_module, lambda: [], {}, staging,

@@ -44,6 +44,7 @@ class GradientBuffers(Component):
         self.config = config
         self.buffer: Optional[GradientBuffer] = None
         self._ctx: Optional[SetupContext] = None
+        self._optimizers: list = []
 
     def configure(self, ctx: SetupContext) -> None:
         scaler = getattr(ctx.precision_plugin, "scaler", None)
@@ -62,17 +63,29 @@ class GradientBuffers(Component):
             group=ctx.grad_reduce_group,
             grad_reduce_in_fp32=c.grad_reduce_in_fp32,
             bucket_numel=c.bucket_numel,
-            overlap_grad_reduce=c.overlap_grad_reduce,
+            overlap_grad_reduce=ctx.overlap_grad_reduce,
             distributed_optimizer=c.use_distributed_optimizer,
-            deferred_params=list(ctx.stage.tied_parameters) if ctx.stage is not None else [],
+            deferred_params=list(ctx.grads_changed_after_backward),
         )
         ctx.grad_buffers.insert(0, self.buffer)
 
     def wrap_optimizers(self, optimizers: list) -> list:
         with_experts = self._ctx is not None and self._ctx.num_moe_layers > 0
-        return wrap_optimizers(
+        wrapped = wrap_optimizers(
             optimizers, self.buffer, distributed=self.config.use_distributed_optimizer, with_experts=with_experts
         )
+        if self.config.overlap_param_gather and self._ctx is not None:
+            for optimizer in wrapped:
+                if isinstance(optimizer, DistributedOptimizer):
+                    optimizer.enable_overlap_param_gather(self._ctx.module)
+        self._optimizers = wrapped
+        return wrapped
+
+    def wait_for_params(self) -> None:
+        """Finish the background parameter gathers (``overlap_param_gather``) before parameters are read."""
+        for optimizer in self._optimizers:
+            if isinstance(optimizer, DistributedOptimizer):
+                optimizer.wait_for_param_gather()
 
     # ------------------------------------------------------------------ optimizer step
     def last_microbatch_context(self, backward_passes: int) -> ContextManager:
@@ -94,6 +107,11 @@ class GradientBuffers(Component):
             self.buffer.zero()
 
     def teardown(self) -> None:
+        self.wait_for_params()
+        for optimizer in self._optimizers:
+            if isinstance(optimizer, DistributedOptimizer) and optimizer.param_gather is not None:
+                optimizer.param_gather.detach()
+        self._optimizers = []
         if self.buffer is not None:
             self.buffer.remove()
         self.buffer = None

@@ -41,6 +41,7 @@ from torch import Tensor, nn
 
 from megastrategy.collectives import all_gather_single, try_fused
 from megastrategy.ddp.grad_buffer import GradientBuffer, _unsupported
+from megastrategy.ddp.param_gather import ParamGather
 
 __all__ = ["DistributedOptimizer", "MainParamsOptimizer", "merge_sharded_state_dicts", "SHARDED_FORMAT", "MAIN_PARAM_KEY"]
 
@@ -132,6 +133,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             for group, pieces in zip(self.param_groups, self._group_pieces)
         ]
         self.shard_optimizer = self._rebuild(type(optimizer), inner_groups, optimizer.defaults)
+        self.param_gather: Optional[ParamGather] = None  # overlap_param_gather (enable_overlap_param_gather)
 
     _needs_sharded_buffer = True
 
@@ -243,6 +245,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         self.user_optimizer._opt_called = True  # what torch's LR schedulers check on the user's optimizer
+        self.wait_for_param_gather()  # a parameter no forward used may still be pending
         buffer = self.buffer
         if not buffer.has_grads:
             return loss  # no backward since the last zero() (or a skipped step): nothing to apply
@@ -286,21 +289,47 @@ class DistributedOptimizer(torch.optim.Optimizer):
         return full
 
     def _gather_params(self) -> None:
-        """Every rank's updated pieces into every rank's parameters, one all-gather per bucket."""
-        buffer = self.buffer
+        """Every rank's updated pieces into every rank's parameters, one all-gather per bucket
+        (with :meth:`enable_overlap_param_gather`: started here, finished before each use)."""
+        if self.param_gather is not None:
+            for bucket in reversed(self._buckets()):  # the first layers' bucket (needed first) first
+                self.param_gather.start(bucket.index, self._owned_shard(bucket), bucket.numel(), self.buffer.dp_size)
+            return
         for bucket in self._buckets():
-            s0, s1 = buffer.shard_range(bucket)
-            shard = torch.zeros(s1 - s0, dtype=bucket.data.dtype, device=bucket.data.device)
-            for piece in self._pieces_in(bucket):
-                shard[piece.shard_lo : piece.shard_lo + piece.numel].copy_(piece.main.reshape(-1))
-            full = self._all_gather(shard, bucket.numel())
-            for _, p in self._in_buffer[bucket.index]:
-                start, end = bucket.ranges[id(p)]
-                p.copy_(full[start:end].view(p.shape))
+            self._copy_into_params(bucket.index, self._all_gather(self._owned_shard(bucket), bucket.numel()))
+
+    def _owned_shard(self, bucket) -> Tensor:
+        """This rank's shard of ``bucket`` holding its updated main weights (zeros in padding)."""
+        s0, s1 = self.buffer.shard_range(bucket)
+        shard = torch.zeros(s1 - s0, dtype=bucket.data.dtype, device=bucket.data.device)
+        for piece in self._pieces_in(bucket):
+            shard[piece.shard_lo : piece.shard_lo + piece.numel].copy_(piece.main.reshape(-1))
+        return shard
+
+    def _copy_into_params(self, index: int, full: Tensor) -> None:
+        bucket = self.buffer.buckets[index]
+        for _, p in self._in_buffer[index]:
+            start, end = bucket.ranges[id(p)]
+            p.detach().copy_(full[start:end].view(p.shape))
+
+    def enable_overlap_param_gather(self, module: nn.Module) -> None:
+        """Gather parameters in the background after each step; ``module``'s submodules wait for
+        their buckets in a forward pre-hook (see :mod:`megastrategy.ddp.param_gather`)."""
+        if not self._sharded:
+            return  # nothing is gathered
+        bucket_of = {id(p): index for index, members in self._in_buffer.items() for _, p in members}
+        self.param_gather = ParamGather(self.buffer.group, self._copy_into_params, _unsupported)
+        self.param_gather.attach(module, bucket_of)
+
+    def wait_for_param_gather(self) -> None:
+        """Finish pending background gathers (before anything reads every parameter)."""
+        if self.param_gather is not None:
+            self.param_gather.wait_all()
 
     def reload_main_params(self) -> None:
         """Copy the model's current parameters into the fp32 main copies (after changing the
         parameters outside the optimizer, e.g. loading weights into the module in place)."""
+        self.wait_for_param_gather()  # or a late gather would overwrite the loaded weights
         with torch.no_grad():
             for piece in self._pieces:
                 if not piece.is_view:
@@ -377,6 +406,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         Exactly what the user's optimizer would return had it been stepped on every rank: state
         tensors have their parameter's shape, ``param_groups`` number the parameters in order.
         """
+        self.wait_for_param_gather()
         self._sync_hyperparameters()
         inner_state = self._state_with_main_params()
         objects: dict[int, dict[str, Any]] = {}
@@ -427,7 +457,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:  # type: ignore[override]
         """Load a torch-format state (from :meth:`state_dict`, or from the user's optimizer on any
-        number of ranks): each rank keeps its pieces. No communication."""
+        number of ranks): each rank keeps its pieces. No communication (beyond pending gathers)."""
+        self.wait_for_param_gather()
         saved_groups = state_dict["param_groups"]
         if len(saved_groups) != len(self.param_groups):
             raise ValueError(

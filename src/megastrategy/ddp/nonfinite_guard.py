@@ -32,6 +32,8 @@ class NonFiniteGuard(Component):
         ctx = self._ctx
         if ctx is None or not ctx.grad_buffers:
             return True
+        for b in ctx.grad_buffers:
+            b.wait_for_reductions()  # overlapped reductions must not be read while in flight
         flats = [flat for b in ctx.grad_buffers for flat in b.buffers.values()]
         finite = all(bool(torch.isfinite(f).all()) for f in flats)
         local = torch.tensor([0.0 if finite else 1.0], device=ctx.device)

@@ -45,7 +45,7 @@ class ExpertParallel(Component):
             )
         self.buffer = moe.make_expert_grad_buffer(
             module, ctx.parallel_state, grad_reduce_in_fp32=c.grad_reduce_in_fp32, bucket_numel=c.bucket_numel,
-            overlap_grad_reduce=c.overlap_grad_reduce,
+            overlap_grad_reduce=ctx.overlap_grad_reduce,
         )
         ctx.grad_buffers.append(self.buffer)
 
@@ -65,7 +65,7 @@ class ExpertParallel(Component):
 
     # ------------------------------------------------------------------ optimizer step
     def last_microbatch_context(self, backward_passes: int) -> ContextManager:
-        if self.buffer is None or not self.config.overlap_grad_reduce:
+        if self.buffer is None or not self.buffer.overlap_grad_reduce:
             return nullcontext()
         return self.buffer.last_microbatch(backward_passes)
 

@@ -1,7 +1,13 @@
 """Pipeline parallelism: layer placement, per-rank schedules, and a timing simulator."""
 
 from megastrategy.pipeline.layer_assignment import assign_layers
-from megastrategy.pipeline.schedule_choice import PIPELINE_SCHEDULES, training_steps, validate_pipeline_schedule
+from megastrategy.pipeline.placement import StagePlacement
+from megastrategy.pipeline.schedule_choice import (
+    PIPELINE_SCHEDULES,
+    schedule_placement,
+    training_steps,
+    validate_pipeline_schedule,
+)
 from megastrategy.pipeline.schedules import (
     ScheduleStep,
     StepPart,
@@ -21,12 +27,14 @@ from megastrategy.pipeline.simulator import (
     simulate_steps,
 )
 from megastrategy.pipeline.zero_bubble import zb_h1_steps
+from megastrategy.pipeline.zero_bubble_v import zb_v_steps
 
 __all__ = [
     "PIPELINE_SCHEDULES",
     "PipelineDeadlockError",
     "ScheduleStats",
     "ScheduleStep",
+    "StagePlacement",
     "StepPart",
     "StepTiming",
     "assign_layers",
@@ -35,6 +43,7 @@ __all__ = [
     "forward_only_steps",
     "num_warmup_steps",
     "schedule_order",
+    "schedule_placement",
     "schedule_steps",
     "simulate_schedule",
     "simulate_steps",
@@ -42,6 +51,7 @@ __all__ = [
     "validate_pipeline_schedule",
     "validate_schedule",
     "zb_h1_steps",
+    "zb_v_steps",
 ]
 
 from megastrategy.pipeline.executor import PipelineExecutor  # noqa: E402

@@ -16,7 +16,9 @@ from megastrategy.config import MegatronConfig
 from megastrategy.errors import MegatronConfigError
 from megastrategy.pipeline.forward_order import ForwardOrder, record_forward_order
 from megastrategy.pipeline.layer_assignment import assign_layers
+from megastrategy.pipeline.schedule_choice import schedule_placement
 from megastrategy.pipeline.schedules import validate_schedule
+from megastrategy.pipeline.zero_bubble_v import check_zb_v
 from megastrategy.pipeline.stage import cut_stage
 
 
@@ -27,6 +29,8 @@ class Pipeline(Component):
         self.enabled = config.pp > 1
         self.pp, self.vp = config.pp, config.vp_size
         self.num_microbatches, self.pipeline_layers = config.num_microbatches, config.pipeline_layers
+        self.schedule = config.pipeline_schedule
+        self.placement = schedule_placement(self.schedule, self.pp, self.vp) if self.enabled else None
         self._tied: list[nn.Parameter] = []
         self._shared: list[nn.Parameter] = []
         self._embedding_group = self._pp_group = None
@@ -44,8 +48,11 @@ class Pipeline(Component):
         _refuse_what_stages_cannot_split(find_hf_model(module)[1], self.pp)
         anatomy = ModelAnatomy.of(module, self.pipeline_layers)
         order = self._forward_order(module, anatomy.stack_path)
-        assign_layers(len(order.stack_calls) if order is not None else len(anatomy.stack), self.pp, self.vp)
-        if self.vp > 1:
+        assign_layers(len(order.stack_calls) if order is not None else len(anatomy.stack), self.pp, self.vp,
+                      self.placement)
+        if self.schedule == "zb_v":
+            check_zb_v(self.num_microbatches, self.pp)
+        elif self.vp > 1:
             validate_schedule(self.num_microbatches, self.pp, self.vp)
 
     def _forward_order(self, module: nn.Module, stack_path: str) -> Optional[ForwardOrder]:
@@ -64,10 +71,11 @@ class Pipeline(Component):
             module,
             stack_path=anatomy.stack_path,
             stack=anatomy.stack,
-            assignment=assign_layers(len(stack_calls or anatomy.stack), self.pp, self.vp),
+            assignment=assign_layers(len(stack_calls or anatomy.stack), self.pp, self.vp, self.placement),
             pp_rank=ps.pp_rank,
             pp_size=self.pp,
             vp_size=self.vp,
+            placement=self.placement,
             anatomy=anatomy,
             stack_calls=stack_calls,
             carried=order.carried if order is not None else (),
@@ -76,6 +84,11 @@ class Pipeline(Component):
         shared = {id(p) for p in self._shared}
         self._tied = [p for p in ctx.stage.tied_parameters if id(p) not in shared]
         self._embedding_group, self._pp_group = ps.embedding_group, ps.pp_group
+
+    def on_fit_setup(self, module: nn.Module, ctx: SetupContext) -> None:
+        # summed over stages after backward (finalize_grads): their buckets must not reduce early
+        if ctx.stage is not None:
+            ctx.grads_changed_after_backward.extend(list(ctx.stage.tied_parameters) + list(self._shared))
 
     def finalize_grads(self) -> bool:
         """Keep every stage's copy of a tied weight identical: sum the gradients of a tied embedding

@@ -14,9 +14,10 @@ receives what the step needs from the neighbouring stage, calls the caller's
   step B computes and sends only the input's gradient and keeps what the weight-gradient
   step W needs (:mod:`.split_backward`); W, later, accumulates the parameter gradients.
 
-Virtual stage of (rank ``r``, chunk ``c``) is ``c * pp_size + r``; its next stage is on
-rank ``r + 1`` (the first rank after the last one), so the communicator's ring neighbours
-serve every chunk.
+Which virtual stage (rank ``r``, chunk ``c``) runs is the ``placement``'s (:mod:`.placement`):
+by default the ring, stage ``c * pp_size + r``, whose next stage is on rank ``r + 1`` (the first
+rank after the last one), so the communicator's ring neighbours serve every chunk. Under another
+placement (ZB-V's V) every message names its peer, the rank of the neighbouring stage.
 
 Receives are posted in schedule order, which matches the order in which the neighbour
 sends (every rank walks the same microbatch/chunk order), and every message carries its
@@ -38,6 +39,7 @@ import torch
 from torch import Tensor
 
 from megastrategy.pipeline.p2p import PipelineCommunicator, RecvHandle
+from megastrategy.pipeline.placement import StagePlacement
 from megastrategy.pipeline.schedules import StepPart
 from megastrategy.pipeline.split_backward import WeightGradients, backward_input
 
@@ -86,6 +88,7 @@ class PipelineExecutor:
         overlap_p2p_comm: bool = False,
         deallocate_outputs: bool = True,
         reuse_saved_gradients: bool = True,
+        placement: StagePlacement | None = None,
     ) -> None:
         if pp_size < 1 or not 0 <= pp_rank < pp_size or vp_size < 1:
             raise ValueError(f"bad pipeline coordinates pp_size={pp_size}, pp_rank={pp_rank}, vp_size={vp_size}.")
@@ -101,13 +104,28 @@ class PipelineExecutor:
         self.overlap_p2p_comm = overlap_p2p_comm
         self.deallocate_outputs = deallocate_outputs
         self.reuse_saved_gradients = reuse_saved_gradients
+        self.placement = placement or StagePlacement.build("ring", pp_size, vp_size)
+        if (self.placement.pp_size, self.placement.vp_size) != (pp_size, vp_size):
+            raise ValueError(
+                f"placement {self.placement.name!r} is for pp_size={self.placement.pp_size}, vp_size="
+                f"{self.placement.vp_size}; the executor for pp_size={pp_size}, vp_size={vp_size}."
+            )
         self.num_stages = pp_size * vp_size
         self.peak_in_flight = 0
         self.last_run: dict[str, int] = {}
 
     # ------------------------------------------------------------------------------
     def stage(self, chunk: int) -> int:
-        return chunk * self.pp_size + self.pp_rank
+        return self.placement.stage(self.pp_rank, chunk)
+
+    def peer(self, chunk: int, direction: str, sending: bool) -> int | None:
+        """Pipeline position of the rank a message of ``chunk`` goes to (``sending``) or comes from;
+        ``None`` (the communicator's ring neighbour) under the ring placement."""
+        if self.placement.name == "ring":
+            return None
+        downstream = (direction == "forward") == sending  # a forward goes to, a gradient comes from, the next stage
+        near = self.placement.next_rank if downstream else self.placement.prev_rank
+        return near(self.pp_rank, chunk)
 
     def is_first_stage(self, chunk: int) -> bool:
         return self.stage(chunk) == 0
@@ -118,7 +136,7 @@ class PipelineExecutor:
     @property
     def holds_last_stage(self) -> bool:
         """Whether this rank runs the last virtual stage (and so returns outputs)."""
-        return self.pp_rank == self.pp_size - 1
+        return self.pp_rank == self.placement.last_rank
 
     def _needed_recv(self, step) -> str | None:
         is_forward, chunk, _, part = step
@@ -231,20 +249,27 @@ class _ScheduleRun:
             i = self.next_to_post
             self.next_to_post += 1
             if self.recv_needed[i] is not None:
-                self.handles[i] = self.comm.send_and_irecv(None, None, self.recv_needed[i],
-                                                           expect_microbatch=self.plan[i][2])
+                self.handles[i] = self.comm.send_and_irecv(None, None, self.recv_needed[i], **self._recv_args(i))
+
+    def _recv_args(self, i: int) -> dict:
+        """The keyword arguments of step ``i``'s receive: its microbatch, and its peer off the ring."""
+        args = {"expect_microbatch": self.plan[i][2]}
+        peer = self.ex.peer(self.plan[i][1], self.recv_needed[i], sending=False)
+        return args if peer is None else {**args, "recv_from": peer}
 
     def send(self, i: int, direction: str, tensor: Tensor, mb: int) -> None:
         """Send; fuse it with the next step's receive when that is not posted yet."""
         j = i + 1
+        peer = self.ex.peer(self.plan[i][1], direction, sending=True)
+        where = {} if peer is None else {"send_to": peer}
         fuse = not self.ex.overlap_p2p_comm and self.next_to_post == j and j < len(self.plan)
         if fuse and self.recv_needed[j] is not None:
             self.next_to_post = j + 1
             self.handles[j] = self.comm.send_and_irecv(
-                direction, tensor, self.recv_needed[j], microbatch=mb, expect_microbatch=self.plan[j][2]
+                direction, tensor, self.recv_needed[j], microbatch=mb, **where, **self._recv_args(j)
             )
         else:
-            self.comm.send_and_irecv(direction, tensor, None, microbatch=mb)
+            self.comm.send_and_irecv(direction, tensor, None, microbatch=mb, **where)
 
     def forward(self, i: int, chunk: int, mb: int, forward_step: ForwardStep, on_forward: StepCallback | None) -> None:
         ex, inp = self.ex, None

@@ -1,7 +1,8 @@
 """Which transformer layers live on which pipeline rank and model chunk.
 
 With interleaving, rank ``r`` holds ``vp_size`` chunks; chunk ``c`` is virtual stage
-``c * pp_size + r``, so the virtual stages run through the ranks ``vp_size`` times.
+``c * pp_size + r``, so the virtual stages run through the ranks ``vp_size`` times (another
+:class:`~.placement.StagePlacement`, such as ZB-V's, maps chunks to stages differently).
 Every chunk gets the same number of consecutive layers: unequal chunks would make the
 slowest stage set the pace of the whole pipeline, so an uneven split is refused rather
 than silently accepted.
@@ -9,7 +10,12 @@ than silently accepted.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from megastrategy.errors import MegatronConfigError
+
+if TYPE_CHECKING:
+    from megastrategy.pipeline.placement import StagePlacement
 
 __all__ = ["assign_layers", "check_positive_int"]
 
@@ -51,23 +57,31 @@ def _uneven_split_message(num_layers: int, pp_size: int, vp_size: int) -> str:
     )
 
 
-def assign_layers(num_layers: int, pp_size: int, vp_size: int = 1) -> list[list[list[int]]]:
+def assign_layers(
+    num_layers: int, pp_size: int, vp_size: int = 1, placement: "StagePlacement | None" = None
+) -> list[list[list[int]]]:
     """Layer indices per ``[pp_rank][chunk]``.
 
-    Chunk ``c`` of rank ``r`` holds ``num_layers // (pp_size * vp_size)`` consecutive layers
-    starting at ``c * num_layers // vp_size + r * num_layers // (pp_size * vp_size)``.
+    Virtual stage ``s`` holds the ``num_layers // (pp_size * vp_size)`` consecutive layers starting
+    at ``s * num_layers // (pp_size * vp_size)``; chunk ``c`` of rank ``r`` runs stage
+    ``placement.stage(r, c)`` (default: the ring, ``c * pp_size + r``).
     """
     check_positive_int("num_layers", num_layers)
     check_positive_int("pp_size", pp_size)
     check_positive_int("vp_size", vp_size)
+    if placement is not None and (placement.pp_size, placement.vp_size) != (pp_size, vp_size):
+        raise MegatronConfigError(
+            f"placement {placement.name!r} is for pp_size={placement.pp_size}, vp_size={placement.vp_size}, "
+            f"not pp_size={pp_size}, vp_size={vp_size}; build it for the same layout."
+        )
     if num_layers % (pp_size * vp_size) != 0:
         raise MegatronConfigError(_uneven_split_message(num_layers, pp_size, vp_size))
     per_chunk = num_layers // (pp_size * vp_size)
-    per_round = num_layers // vp_size  # layers covered by one pass through all ranks
+
+    def stage(r: int, c: int) -> int:
+        return c * pp_size + r if placement is None else placement.stage(r, c)
+
     return [
-        [
-            list(range(c * per_round + r * per_chunk, c * per_round + (r + 1) * per_chunk))
-            for c in range(vp_size)
-        ]
+        [list(range(stage(r, c) * per_chunk, (stage(r, c) + 1) * per_chunk)) for c in range(vp_size)]
         for r in range(pp_size)
     ]

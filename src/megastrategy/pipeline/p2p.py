@@ -122,7 +122,7 @@ class _LoopbackRecv:
             box = self._comm._loopback[self._tag]
             if not box:
                 raise RuntimeError(
-                    "nothing was sent to this rank by itself (pp_size == 1) yet: the schedule receives before it sends"
+                    "nothing was sent to this rank by itself (pp_size == 1 or the turn of a V) yet: the schedule receives before it sends"
                 )
             self._buf.copy_(box.popleft())
             self._done = True
@@ -183,7 +183,7 @@ class RecvHandle:
             result = comm._recv_described(self.kind, self.peer, meta, what)
         else:
             meta, microbatch, result = self._predicted_result(buf, what)
-        comm._memory[("recv", self.kind)].remember(self._key, meta)  # consumed: both ends stay in step
+        comm._link("recv", self.kind, self.peer).remember(self._key, meta)  # consumed: both ends stay in step
         problem = self._mismatch(meta, microbatch)
         if problem:
             raise RuntimeError(f"pipeline p2p on rank {comm.rank}: {what}: {problem}")
@@ -297,11 +297,12 @@ class PipelineCommunicator:
             ("messages", "bytes", "header_bytes", "scatter_gather", "wire_sends", "wire_recvs", "resyncs",
              "resyncs_received"), 0)
         # what each end of this rank's links predicts, per ("send" | "recv", direction)
-        self._memory = {(side, kind): LinkMemory() for side in ("send", "recv") for kind in (FORWARD, BACKWARD)}
+        self._memory: dict[tuple[str, int, int], LinkMemory] = {}  # (side, kind, peer) -> memory
+        self._label: object = None  # the current step's label (None: outside a step, nothing predicted)
         self._pending_sends: list[_Send] = []
         self._abandoned: list[Tensor] = []  # buffers of transfers whose wait failed (kept alive)
         self._recv_queues: dict[int, deque[RecvHandle]] = {FORWARD: deque(), BACKWARD: deque()}
-        # in-process mailbox for pp_size == 1 (the rank is its own neighbour): tag -> tensors
+        # in-process mailbox for messages to this rank itself (pp_size == 1, a V's turn): tag -> tensors
         self._loopback: dict[int, deque[Tensor]] = {tag: deque() for tag in _TAGS.values()}
 
     # ------------------------------------------------------------------------------
@@ -381,28 +382,52 @@ class PipelineCommunicator:
         expect_shape=None,
         expect_dtype=None,
         expect_microbatch=None,
+        send_to: int | None = None,
+        recv_from: int | None = None,
     ) -> RecvHandle | None:
         """The general primitive: post an optional send (``"forward"`` to the next stage or
         ``"backward"`` to the previous one) and an optional receive (``"forward"``: an
         activation from the previous stage, ``"backward"``: a gradient from the next one) in
-        one batch. Returns the receive's handle (``None`` without a receive)."""
+        one batch. Returns the receive's handle (``None`` without a receive).
+
+        ``send_to``/``recv_from``: the peer's pipeline position (index into ``pp_ranks``) when it
+        is not the ring neighbour the direction implies, as under a V placement (chunk 1 sends
+        its activations up the ranks; the turn of the V is this rank itself, a local copy)."""
         send_ops = None
         if send is not None:
             if tensor is None:
                 raise ValueError(f"send={send!r} needs a tensor.")
-            send_ops = self._send_ops(_kind(send), tensor, microbatch)
+            send_ops = self._send_ops(_kind(send), tensor, microbatch, self._peer(send_to))
         recv_op = None
         if recv is not None:
-            recv_op = self._recv_op(_kind(recv), expect_shape, expect_dtype, expect_microbatch)
+            recv_op = self._recv_op(_kind(recv), expect_shape, expect_dtype, expect_microbatch, self._peer(recv_from))
         return self._post(send_ops, recv_op)
+
+    def _peer(self, position: int | None) -> int | None:
+        """The global rank at pipeline position ``position`` (``None``: the direction's ring neighbour)."""
+        if position is None:
+            return None
+        if not 0 <= position < self.pp_size:
+            raise ValueError(f"peer position {position} is outside the pipeline [0, {self.pp_size}).")
+        return self.pp_ranks[position]
 
     def begin_step(self, label: object = "step") -> None:
         """Start a step: message positions restart, and each end predicts every tensor to be the
         one at the same position of the last step with this ``label`` (:mod:`.p2p_wire`). The
         neighbours must begin their steps at the same point of the message streams (every rank's
         executor run begins one, and completes all its messages before returning)."""
+        self._label = label
         for memory in self._memory.values():
             memory.begin(label)
+
+    def _link(self, side: str, kind: int, peer: int) -> LinkMemory:
+        """This end's memory of the messages of direction ``kind`` to or from ``peer``: one per
+        link, since a V placement sends one direction to both neighbours, each its own stream."""
+        memory = self._memory.get((side, kind, peer))
+        if memory is None:
+            memory = self._memory[(side, kind, peer)] = LinkMemory()
+            memory.begin(self._label)
+        return memory
 
     def wait_all(self) -> None:
         """Complete every posted receive (results are kept for their handles) and send."""
@@ -436,13 +461,17 @@ class PipelineCommunicator:
     def _header_tensor(self, kind: int, meta: Meta, microbatch: int) -> Tensor:
         return torch.tensor(meta.header(kind, microbatch), dtype=torch.int64, device=self.wire)
 
-    def _send_ops(self, kind: int, tensor: Tensor, microbatch: int) -> list[tuple[str, Tensor, int, int, Any]]:
-        """(op, buffer, peer, tag, group) tuples sending ``tensor`` in direction ``kind``: the one
-        predicted message, or (nothing predicted) header and payload, or (mispredicted) a resync
-        notice of the predicted size, header and payload."""
+    def _send_ops(
+        self, kind: int, tensor: Tensor, microbatch: int, peer: int | None = None
+    ) -> list[tuple[str, Tensor, int, int, Any]]:
+        """(op, buffer, peer, tag, group) tuples sending ``tensor`` in direction ``kind`` (to
+        ``peer``, a global rank, or by default the direction's ring neighbour): the one predicted
+        message, or (nothing predicted) header and payload, or (mispredicted) a resync notice of
+        the predicted size, header and payload."""
         if not isinstance(tensor, Tensor):
             raise TypeError(f"pipeline p2p can only send tensors, got {type(tensor).__name__}.")
-        peer = self.next_rank if kind == FORWARD else self.prev_rank
+        if peer is None:
+            peer = self.next_rank if kind == FORWARD else self.prev_rank
         tensor = tensor.detach()
         if tensor.device != self.wire:
             tensor = tensor.to(self.wire)
@@ -453,7 +482,7 @@ class PipelineCommunicator:
         else:
             mode = MODE_FULL
         meta = Meta.of(tensor, mode)
-        memory = self._memory[("send", kind)]
+        memory = self._link("send", kind, peer)
         key = memory.next_key()
         predicted = memory.predict(key)
         memory.remember(key, meta)
@@ -496,10 +525,11 @@ class PipelineCommunicator:
     def _op(self, kind: int, peer: int, stream: str, buf: Tensor, op: str = "send") -> tuple:
         return (op, buf, peer, _TAGS[(kind, stream)], self._group(kind))
 
-    def _recv_op(self, kind, expect_shape, expect_dtype, expect_microbatch):
+    def _recv_op(self, kind, expect_shape, expect_dtype, expect_microbatch, peer: int | None = None):
         """The first receive of a message: the predicted payload and trailer, or the header."""
-        peer = self.prev_rank if kind == FORWARD else self.next_rank
-        memory = self._memory[("recv", kind)]
+        if peer is None:
+            peer = self.prev_rank if kind == FORWARD else self.next_rank
+        memory = self._link("recv", kind, peer)
         key = memory.next_key()
         predicted = memory.predict(key)
         if predicted is None:
@@ -536,7 +566,7 @@ class PipelineCommunicator:
         remote = []
         for i, (kind, buf, peer, tag, group) in enumerate(ops):
             self.stats["wire_sends" if kind == "send" else "wire_recvs"] += 1
-            if peer == self.rank:  # pp_size == 1: the rank is its own neighbour
+            if peer == self.rank:  # pp_size == 1, or the turn of a V placement: the rank is its own neighbour
                 if kind == "send":
                     self._loopback[tag].append(buf.clone())
                 else:

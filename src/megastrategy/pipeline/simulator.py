@@ -19,7 +19,8 @@ from typing import Callable, Sequence
 
 from megastrategy.errors import MegatronConfigError
 from megastrategy.pipeline.layer_assignment import check_positive_int
-from megastrategy.pipeline.schedule_choice import training_steps
+from megastrategy.pipeline.placement import StagePlacement
+from megastrategy.pipeline.schedule_choice import schedule_placement, schedule_vp_size, training_steps
 from megastrategy.pipeline.schedules import ScheduleStep, StepPart, forward_only_steps, validate_schedule
 
 __all__ = [
@@ -75,10 +76,6 @@ class ScheduleStats:
         return sum(self.idle)
 
 
-def _stage(rank: int, chunk: int, pp_size: int) -> int:
-    return chunk * pp_size + rank
-
-
 def simulate_steps(
     steps_per_rank: Sequence[Sequence[ScheduleStep | tuple]],
     vp_size: int = 1,
@@ -91,6 +88,7 @@ def simulate_steps(
     input_grad_time: float | None = None,
     weight_grad_time: float | None = None,
     step_time: Callable[[int, ScheduleStep], float] | None = None,
+    placement: StagePlacement | None = None,
 ) -> ScheduleStats:
     """Simulate arbitrary per-rank orders (one list of ``(is_forward, chunk, microbatch[, part])`` per rank).
 
@@ -98,6 +96,7 @@ def simulate_steps(
     half of ``backward_time`` each; W defaults to what B leaves of ``backward_time``).
     ``step_time(rank, step)``: the cost of each step instead (e.g. measured per rank and kind:
     the first stage's B has no input gradient to compute, the last stage's F includes the loss).
+    ``placement``: which stage each (rank, chunk) runs (default: the ring of 1F1B).
 
     A step's start time depends only on when its dependencies and its rank's previous step
     finished, so ranks are advanced in any order until all are done or none can move
@@ -117,7 +116,13 @@ def simulate_steps(
         if value < 0:
             raise MegatronConfigError(f"{name}={value} must be >= 0.")
     orders = _parse_orders(steps_per_rank, vp_size)
-    sim = _Simulation(orders, vp_size, step_time or (lambda rank, step: durations["F" if step.is_forward else step.part]),
+    placement = placement or StagePlacement.build("ring", pp_size, vp_size)
+    if (placement.pp_size, placement.vp_size) != (pp_size, vp_size):
+        raise MegatronConfigError(
+            f"placement {placement.name!r} is for pp_size={placement.pp_size}, vp_size={placement.vp_size}; the "
+            f"orders are for pp_size={pp_size}, vp_size={vp_size}. Build the placement for the same layout."
+        )
+    sim = _Simulation(orders, placement, step_time or (lambda rank, step: durations["F" if step.is_forward else step.part]),
                       p2p_time)
     sim.run()
 
@@ -163,10 +168,11 @@ _Key = tuple[str, int, int]
 class _Simulation:
     """Event-free simulation state: when each finished step ended and where each rank is."""
 
-    def __init__(self, orders: list[list[ScheduleStep]], vp_size: int, step_time: Callable, p2p_time: float) -> None:
-        self.orders = orders
+    def __init__(self, orders: list[list[ScheduleStep]], placement: StagePlacement, step_time: Callable,
+                 p2p_time: float) -> None:
+        self.orders, self.placement = orders, placement
         self.pp_size = len(orders)
-        self.num_stages = self.pp_size * vp_size
+        self.num_stages = placement.num_stages
         self.step_time, self.p2p_time = step_time, p2p_time
         self.done: dict[_Key, float] = {}  # -> end time
         self.position = [0] * self.pp_size
@@ -175,17 +181,17 @@ class _Simulation:
 
     def dependencies(self, rank: int, step: ScheduleStep) -> list[tuple[_Key, bool]]:
         """(key, crosses_ranks) pairs the step waits for."""
-        pp_size = self.pp_size
-        s, mb = _stage(rank, step.chunk, pp_size), step.microbatch
+        where = self.placement.rank_of
+        s, mb = self.placement.stage(rank, step.chunk), step.microbatch
         if step.is_forward:
             if s == 0:
                 return []
-            return [(("F", s - 1, mb), (s - 1) % pp_size != rank)]
+            return [(("F", s - 1, mb), where(s - 1) != rank)]
         if step.part is StepPart.WEIGHT:
             return [(("B", s, mb), False)]
         deps = [(("F", s, mb), False)]
         if s < self.num_stages - 1:
-            deps.append((("B", s + 1, mb), (s + 1) % pp_size != rank))
+            deps.append((("B", s + 1, mb), where(s + 1) != rank))
         return deps
 
     def run(self) -> None:
@@ -207,7 +213,7 @@ class _Simulation:
             arrivals = [self.done[key] + (self.p2p_time if cross else 0.0) for key, cross in deps]
             start = max([self.free_at[rank]] + arrivals)
             end = start + self.step_time(rank, step)
-            self.done[(step.kind, _stage(rank, step.chunk, self.pp_size), step.microbatch)] = end
+            self.done[(step.kind, self.placement.stage(rank, step.chunk), step.microbatch)] = end
             self.timeline[rank].append(
                 StepTiming(rank, self.position[rank], step.is_forward, step.chunk, step.microbatch, start, end, step.part)
             )
@@ -224,7 +230,7 @@ class _Simulation:
                 waits = [k for k, _ in self.dependencies(rank, step) if k not in self.done]
                 names = {"F": "forward", "B": "backward", "W": "weight gradient"}
                 desc = ", ".join(
-                    f"{names[k]} of stage {s} (rank {s % self.pp_size}, chunk {s // self.pp_size}) mb {m}"
+                    "{} of stage {} (rank {}, chunk {}) mb {}".format(names[k], s, *self.placement.location(s), m)
                     for k, s, m in waits
                 )
                 stuck.append(f"rank {rank} step {self.position[rank]} {step} waits for {desc}")
@@ -246,18 +252,20 @@ def simulate_schedule(
     weight_grad_time: float | None = None,
 ) -> ScheduleStats:
     """Simulate the training schedule ``schedule`` (see :mod:`.schedule_choice`) on every rank,
-    or the forward-only one.
+    or the forward-only one (on the schedule's placement: ZB-V's V evaluates through the V too).
 
     ``forward_time``/``backward_time`` are per step, i.e. per model chunk: to compare with a
     non-interleaved run of the same model, divide the stage times by ``vp_size``.
     """
+    check_positive_int("pp_size", pp_size)
+    vp_size = schedule_vp_size(schedule, vp_size)
+    placement = schedule_placement(schedule, pp_size, vp_size)
     if forward_only:
-        check_positive_int("pp_size", pp_size)
         steps = forward_only_steps(num_microbatches, vp_size, group_size)
         orders = [steps] * pp_size
         group = group_size
     else:
-        group = validate_schedule(num_microbatches, pp_size, vp_size, group_size)
+        group = None if schedule == "zb_v" else validate_schedule(num_microbatches, pp_size, vp_size, group_size)
         orders = [training_steps(schedule, num_microbatches, pp_size, r, vp_size, group_size) for r in range(pp_size)]
     return simulate_steps(
         orders,
@@ -269,6 +277,7 @@ def simulate_schedule(
         group_size=group,
         input_grad_time=input_grad_time,
         weight_grad_time=weight_grad_time,
+        placement=placement,
     )
 
 

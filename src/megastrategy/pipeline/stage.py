@@ -29,6 +29,7 @@ from megastrategy.batch_tree import flatten_batch, unflatten_batch
 from megastrategy.errors import MegatronConfigError
 from megastrategy.pipeline.boundary_pack import pack, unpack
 from megastrategy.pipeline.forward_order import block_outputs, meta_copy
+from megastrategy.pipeline.placement import StagePlacement
 from megastrategy.pipeline.reused_layers import ReusedLayers
 
 __all__ = ["PipelineStage", "StageBoundary", "cut_stage", "find_layer_stack", "iter_microbatches"]
@@ -180,6 +181,7 @@ class PipelineStage:
     shared_layer_parameters: list[nn.Parameter] = field(default_factory=list)  # of blocks applied on several stages
     stack_calls: Optional[tuple[int, ...]] = None  # block of each application, when blocks are reused
     carried: tuple[tuple[int, str], ...] = ()  # (output index, argument) a block hands the next besides the hidden
+    placement: Optional[StagePlacement] = None  # which stage each (rank, chunk) runs; None: the ring
     # (name, module) whose calls from the user's step reach the stack or follow it (see model_calls.py)
     call_modules: list[tuple[str, nn.Module]] = field(default_factory=list)
     _chunk_swaps: list[list[_Swap]] = field(default_factory=list)
@@ -190,10 +192,16 @@ class PipelineStage:
     _applications: int = 0
 
     def is_first_virtual(self, chunk: int) -> bool:
-        return self.pp_rank == 0 and chunk == 0
+        return self._where().stage(self.pp_rank, chunk) == 0
 
     def is_last_virtual(self, chunk: int) -> bool:
-        return self.pp_rank == self.pp_size - 1 and chunk == self.vp_size - 1
+        where = self._where()
+        return where.stage(self.pp_rank, chunk) == where.num_stages - 1
+
+    def _where(self) -> StagePlacement:
+        if self.placement is None:
+            self.placement = StagePlacement.build("ring", self.pp_size, self.vp_size)
+        return self.placement
 
     @property
     def active_chunk(self) -> Optional[int]:
@@ -298,20 +306,24 @@ def cut_stage(
     anatomy: Optional[ModelAnatomy] = None,
     stack_calls: Optional[tuple[int, ...]] = None,
     carried: tuple[tuple[int, str], ...] = (),
+    placement: Optional[StagePlacement] = None,
 ) -> PipelineStage:
     """Rewrite ``module`` in place into this rank's stage and return the handle that drives it.
 
     ``assignment`` splits the stack's blocks, or, with ``stack_calls`` (the block of each
     application, when the forward reuses blocks), the applications. ``carried``: the outputs a
     block hands the next one besides the hidden state (from the dry run), sent along with it.
+    ``placement``: which stage each (rank, chunk) runs (default: the ring; ZB-V's V puts the first
+    and the last stage on rank 0).
     """
     anatomy = anatomy or ModelAnatomy.of(module, stack_path)
     chunks = assignment[pp_rank]
     stage = PipelineStage(stack_path=stack_path, chunks=chunks, pp_rank=pp_rank, pp_size=pp_size, vp_size=vp_size,
-                          stack_calls=stack_calls, carried=tuple(carried))
+                          stack_calls=stack_calls, carried=tuple(carried), placement=placement)
     parent_path, _, stack_attr = stack_path.rpartition(".")
     stack_parent = get_submodule_path(module, parent_path) if parent_path else module
-    holds_first, holds_last = pp_rank == 0, pp_rank == pp_size - 1
+    holds_first = any(stage.is_first_virtual(c) for c in range(vp_size))
+    holds_last = any(stage.is_last_virtual(c) for c in range(vp_size))
 
     if stack_calls is None:
         all_layers = LocalLayers({i: stack[i] for chunk in chunks for i in chunk})
@@ -333,7 +345,8 @@ def cut_stage(
     stage.deactivate()
     # Parameters shared between a module before the stack and one after it (a tied embedding):
     # the first and last stages each keep a copy, kept equal by an all-reduce of their gradients.
-    tied = list(anatomy.tied_parameters) if holds_first or holds_last else []
+    # When one rank holds both (a V placement) the two uses share the one parameter: nothing to keep equal.
+    tied = list(anatomy.tied_parameters) if holds_first != holds_last else []
     stage.tied_parameters = tied + stage.shared_layer_parameters
     stand_ins = [s.module for swaps in stage._chunk_swaps + [stage._resting_swaps] for s in swaps
                  if isinstance(s.module, Unreachable)]

@@ -31,7 +31,7 @@ from megastrategy.pipeline.executor import LocalCommunicator, PipelineExecutor
 from megastrategy.pipeline.log_relay import capturing_logs, metric_paths, replay_logs
 from megastrategy.pipeline.model_calls import ModelCalls
 from megastrategy.pipeline.output_relay import OutputRelay
-from megastrategy.pipeline.schedule_choice import training_steps
+from megastrategy.pipeline.schedule_choice import schedule_placement, training_steps
 from megastrategy.pipeline.schedules import forward_only_steps
 from megastrategy.pipeline.stage import PipelineStage, StageBoundary, iter_microbatches
 from megastrategy.pipeline.step_output import join_step_outputs
@@ -82,8 +82,12 @@ class StepRunner:
             pp_group=ps.pp_group, pp_ranks=ps.pp_ranks, pp_rank=ps.pp_rank, device=ctx.device,
             tp_group=ps.tp_group, scatter_gather=not config.sequence_parallel,  # SP: TP ranks hold different slices
         )
-        executor = PipelineExecutor(comm, pp_size=config.pp, pp_rank=ps.pp_rank, vp_size=config.vp_size)
-        relay = OutputRelay(group=ps.pp_group, src=ps.pp_ranks[-1], device=ctx.device, tp_group=ps.tp_group)
+        placement = schedule_placement(config.pipeline_schedule, config.pp, config.vp_size)
+        executor = PipelineExecutor(comm, pp_size=config.pp, pp_rank=ps.pp_rank, vp_size=config.vp_size,
+                                    placement=placement)
+        # the rank of the last stage (the last rank; rank 0 under ZB-V's V) relays the step's outputs
+        relay = OutputRelay(group=ps.pp_group, src=ps.pp_ranks[placement.last_rank], device=ctx.device,
+                            tp_group=ps.tp_group)
         return cls(
             executor=executor, components=components, stage=ctx.stage,
             num_microbatches=config.num_microbatches, relay=relay, device=ctx.device,

@@ -36,6 +36,7 @@ class SequenceParallel(Component):
 
     def on_fit_setup(self, module: nn.Module, ctx: SetupContext) -> None:
         self._params = sequence_parallel_grad_params(module)
+        ctx.grads_changed_after_backward.extend(self._params)  # summed over TP after backward: not reduced early
 
     def finalize_grads(self) -> bool:
         if self._params:  # replicated params in sequence-split regions: sum over TP

@@ -26,7 +26,7 @@ timeout "${TEST_SECONDS:-240}" python3 -m pytest -q -rs -p no:cacheprovider --ti
 echo "pytest exit $?" >> "$OUT/pytest_gpu.txt"
 tail -25 "$OUT/pytest_gpu.txt"
 
-timeout "${BENCH_SECONDS:-300}" python3 bench/bench_gpu.py --configs "$CONFIGS" --timeout 120 --out-dir "$OUT" \
+timeout "${BENCH_SECONDS:-300}" python3 bench/bench_gpu.py --configs "$CONFIGS" --timeout 120 --out-dir "$OUT" ${BENCH_ARGS:-} \
   > "$OUT/bench_gpu.txt" 2>&1
 echo "bench exit $?" >> "$OUT/bench_gpu.txt"
 grep -v "^\s*$" "$OUT/bench_gpu.txt" | tail -40

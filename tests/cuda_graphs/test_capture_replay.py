@@ -67,7 +67,7 @@ def loss_of(out):
 def run_rank_order(model, steps, xs, graphs=None):
     """One training step in the order of a rank's schedule (all chunk 0): per-mb losses."""
     losses, held = {}, {}
-    for is_forward, chunk, mb in steps:
+    for is_forward, chunk, mb in (step[:3] for step in steps):  # whole backwards: graphs refuse B/W splits
         if is_forward:
             if graphs is not None:
                 graphs.on_forward(chunk, mb)

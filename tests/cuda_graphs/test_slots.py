@@ -17,10 +17,10 @@ from megastrategy.pipeline.schedules import forward_only_steps
 def brute_force(steps, plan: SlotPlan) -> tuple[dict[int, int], list[str]]:
     """(peak in flight per chunk, violations of the plan)."""
     in_flight: dict[int, dict[int, int]] = {}  # chunk -> microbatch -> slot
-    backwards = {(c, m) for f, c, m in steps if not f}
+    backwards = {(c, m) for f, c, m, *_ in steps if not f}
     peak: dict[int, int] = {}
     errors = []
-    for i, (is_forward, chunk, mb) in enumerate(steps):
+    for i, (is_forward, chunk, mb, *_) in enumerate(steps):
         held = in_flight.setdefault(chunk, {})
         if is_forward:
             slot = plan.slot_of[(chunk, mb)]
@@ -90,7 +90,7 @@ def test_capture_order_follows_first_use():
     steps = schedule_steps(8, 2, 0, 2)
     plan = assign_slots(steps)
     first_use = []
-    for f, c, m in steps:
+    for f, c, m, *_ in steps:
         if f and (c, plan.slot_of[(c, m)]) not in first_use:
             first_use.append((c, plan.slot_of[(c, m)]))
     assert list(plan.capture_order) == first_use
@@ -108,7 +108,7 @@ def test_brute_force_catches_a_bad_plan():
 
 def run_tracker(tracker: SlotTracker, steps) -> list:
     granted = []
-    for f, c, m in steps:
+    for f, c, m, *_ in steps:
         if f:
             tracker.on_forward(c, m)
             granted.append(tracker.current)

@@ -16,7 +16,9 @@ from contextlib import ExitStack
 from typing import TYPE_CHECKING, Any, Callable, Optional, TypeVar
 
 import torch
+from lightning.fabric.utilities.distributed import _init_dist_connection
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
+from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from torch import nn
@@ -100,6 +102,21 @@ class MegatronStrategy(LightningStepMethods, CheckpointMethods, ReplicaCollectiv
         # a bad layout fails here, before any process is started or group created.
         self.layout = self._make_layout()
         super()._configure_launcher()
+
+    def setup_distributed(self) -> None:
+        """Lightning's, except that a gloo default group on a CUDA device is not bound to it.
+
+        torch (2.11 seen) builds the parallel groups of a device-bound default group by splitting
+        it, which its gloo backend cannot do. gloo on CUDA is what several ranks sharing one GPU
+        use (NCCL refuses them), so the device stays unbound there; NCCL keeps Lightning's binding.
+        """
+        if self.root_device.type != "cuda" or "gloo" not in str(self._get_process_group_backend()):
+            return super().setup_distributed()
+        reset_seed()
+        self.set_world_ranks()
+        self._process_group_backend = self._get_process_group_backend()
+        assert self.cluster_environment is not None
+        _init_dist_connection(self.cluster_environment, self._process_group_backend, timeout=self._timeout)
 
     def setup_environment(self) -> None:
         self.layout = self._make_layout()

@@ -103,7 +103,7 @@ def sgd(model, lr=0.1):
 def assert_same(a, b, tol=1e-6):
     assert a.keys() == b.keys()
     for k in a:
-        torch.testing.assert_close(a[k], b[k], atol=tol, rtol=tol, msg=k)
+        torch.testing.assert_close(a[k], b[k], atol=tol, rtol=tol, msg=lambda m, k=k: f"{k}: {m}")
 
 
 def check_replays(stub, report, plan):

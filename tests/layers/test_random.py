@@ -331,7 +331,7 @@ def test_cuda_streams_and_checkpoint():
 
     def fn(x):
         h = drop(lin(F.dropout(x, 0.2)))
-        q = h.view(2, 2, 8, 16)
+        q = h.view(2, 2, 4, 8)  # 4 x 32 values as (batch, heads, seq, head dim)
         with t.fork():
             h = F.scaled_dot_product_attention(q, q, q, dropout_p=0.3).reshape(4, 32)
         return F.dropout(h, 0.2)

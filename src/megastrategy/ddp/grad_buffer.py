@@ -16,7 +16,7 @@ Two options change how the reduction runs:
     gradient. That shard is what :class:`~megastrategy.ddp.distributed_optimizer.DistributedOptimizer`
     updates. With a single bucket the shard is exactly a contiguous ``1/dp`` slice of the buffer.
 
-``overlap_grad_reduce=True``
+``overlap_grad_reduce=True`` (what ``MegatronStrategy`` uses by default, see :mod:`.overlap_policy`)
     during the backward of the last microbatch before an optimizer step (announced with
     :meth:`GradientBuffer.set_is_last_microbatch` or :meth:`GradientBuffer.last_microbatch`),
     the hooks count how many of each bucket's gradients are final; a bucket whose count is

@@ -241,8 +241,9 @@ class GradientBuffer:
             raise RuntimeError(
                 f"overlap_grad_reduce: a parameter of shape {tuple(param.shape)} received a gradient after "
                 f"the reduction of its bucket {bucket.index} had started (more backward passes in the last "
-                f"microbatch than the {self._backward_passes} announced); pass the right backward_passes "
-                "to set_is_last_microbatch or disable overlap_grad_reduce."
+                f"microbatch than the {self._backward_passes} announced, or a parameter reached twice in one backward, "
+                "e.g. by reentrant activation checkpointing); use MegatronStrategy(overlap_grad_reduce=False), or "
+                "pass the right backward_passes to set_is_last_microbatch."
             )
         param.main_grad.add_(param.grad)
         param.grad = None

@@ -47,3 +47,14 @@ def test_tp2_dp2_sequence_parallel_default_overlap():
     ours = _run("megatron", 4, "bert", "--tp", "2", "--sequence-parallel", *SMALL_BUCKETS)
     assert ours["early_bucket_starts"] > 0
     _assert_same_training(ours, _run("ddp", 2, "bert"))
+
+
+def test_zero1_gather_overlap_checkpoint_mid_training_resumes_exactly(tmp_path):
+    # ModelCheckpoint saves at on_train_batch_end, while the step's gathers are still pending:
+    # the save must wait for them, so the resumed run continues the uninterrupted one
+    common = ["--user-plan", "--n-train", "32", "--no-val", "--layers", "2", *GATHER, "--epochs", "2"]
+    folder = tmp_path / "ckpts"
+    straight = _run("megatron", 2, "gpt", *common, "--ckpt-dir", str(folder), "--ckpt-every", "3")
+    resumed = _run("megatron", 2, "gpt", *common, "--resume", str(folder / "epoch=0-step=3.ckpt"))
+    assert len(straight["train_loss"]) == 8
+    assert max(abs(a - b) for a, b in zip(resumed["train_loss"], straight["train_loss"][3:])) < 1e-5

@@ -8,6 +8,11 @@ Order within one optimizer step (driven by the strategy)::
     finalize_grads()                    # reduce (or wait), expose .grad unless distributed
     # Lightning: on_before_optimizer_step, clipping (below), optimizer.step()
     zero_grads()
+    # overlap_param_gather: the optimizer's all-gathers finish in the next forward's pre-hooks
+
+Whether the last backward overlaps the reduction is decided per fit (``SetupContext.overlap_grad_reduce``,
+see :mod:`megastrategy.ddp.overlap_policy`); parameters whose gradient another component changes
+after backward (``SetupContext.grads_changed_after_backward``) keep their buckets for ``reduce()``.
 
 Lightning's ``on_after_backward`` hooks see the buffer as ``p.grad`` (:meth:`grads_visible`);
 :meth:`grad_norm` is the true global norm that clipping uses, for users to log.

@@ -16,7 +16,7 @@ Two options change how the reduction runs:
     gradient. That shard is what :class:`~megastrategy.ddp.distributed_optimizer.DistributedOptimizer`
     updates. With a single bucket the shard is exactly a contiguous ``1/dp`` slice of the buffer.
 
-``overlap_grad_reduce=True``
+``overlap_grad_reduce=True`` (what ``MegatronStrategy`` uses by default, see :mod:`.overlap_policy`)
     during the backward of the last microbatch before an optimizer step (announced with
     :meth:`GradientBuffer.set_is_last_microbatch` or :meth:`GradientBuffer.last_microbatch`),
     the hooks count how many of each bucket's gradients are final; a bucket whose count is
@@ -241,8 +241,9 @@ class GradientBuffer:
             raise RuntimeError(
                 f"overlap_grad_reduce: a parameter of shape {tuple(param.shape)} received a gradient after "
                 f"the reduction of its bucket {bucket.index} had started (more backward passes in the last "
-                f"microbatch than the {self._backward_passes} announced); pass the right backward_passes "
-                "to set_is_last_microbatch or disable overlap_grad_reduce."
+                f"microbatch than the {self._backward_passes} announced, or a parameter reached twice in one backward, "
+                "e.g. by reentrant activation checkpointing); use MegatronStrategy(overlap_grad_reduce=False), or "
+                "pass the right backward_passes to set_is_last_microbatch."
             )
         param.main_grad.add_(param.grad)
         param.grad = None

@@ -63,3 +63,13 @@ def test_another_global_batch_mid_epoch_is_refused_before_training():
     assert "Use batch_size=8 per device (dp=1)" in message
     assert "train_loss" not in message
 
+
+
+def test_a_zb_v_checkpoint_resumes_under_1f1b():
+    """ZB-V holds stages 0 and 3 on rank 0 (the V): its checkpoint, keyed by layer, resumes on the ring."""
+    zb_v = ("--layers", "4", "--pp", "2", "--pipeline-schedule", "zb_v", "--num-microbatches", "4")
+    straight, ckpt = mid_epoch_bert_run(zb_v, 2)
+    resumed = run_script(SCRIPT, 2, [*MID_EPOCH_BERT, "--layers", "4", "--pp", "2", "--resume", str(ckpt)], timeout=400)
+    assert resumed["example_ids"] == straight["example_ids"][3:]
+    losses, expected = resumed["train_loss"], straight["train_loss"][3:]
+    assert len(losses) == 3 and max(abs(a - b) for a, b in zip(losses, expected)) < 2e-4, (losses, expected)

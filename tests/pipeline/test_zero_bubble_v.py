@@ -11,9 +11,11 @@ from megastrategy.pipeline.executor import PipelineExecutor
 from megastrategy.pipeline.p2p import PipelineCommunicator
 from megastrategy.pipeline.layer_assignment import assign_layers
 from megastrategy.pipeline.placement import StagePlacement
+from megastrategy.pipeline.schedules import StepPart
 from megastrategy.pipeline.schedule_choice import schedule_placement, training_steps, validate_pipeline_schedule
 from megastrategy.pipeline.zero_bubble_v import zb_v_steps
 from tests.helpers.dist import run_distributed
+from tests.pipeline.test_p2p_messages import WireCounter
 from tests.pipeline.test_executor import TOL, make_inputs, run_layers, serial_reference
 
 GRID = [(p, m) for p, m in itertools.product([2, 3, 4, 6], [3, 4, 5, 7, 8, 11, 16, 24]) if m >= 2 * p - 1]
@@ -145,16 +147,34 @@ def zb_v_run(comm, pp, rank, M, overlap):
     assert [o.item() for o in evaluated] == pytest.approx([o.item() for o in outs], abs=TOL)
 
 
+def v_minimum(pp: int, rank: int, M: int) -> int:
+    """The schedule's minimum of messages for this rank: one per activation or gradient that
+    crosses to another rank (the V's turn stays on its rank), training and evaluation runs."""
+    v = schedule_placement("zb_v", pp)
+    count = 0
+    for step in [*training_steps("zb_v", M, pp, rank, 2), *forward_only_steps(M, 2)]:
+        if not step.is_forward and step.part is StepPart.WEIGHT:
+            continue
+        s = v.stage(rank, step.chunk)
+        count += (s != 0 and v.rank_of(s - 1) != rank) + (s != v.num_stages - 1 and v.rank_of(s + 1) != rank)
+    return count
+
+
 def _worker(rank: int, world: int) -> dict:
     import torch.distributed as dist
 
     g4 = dist.new_group([0, 1, 2, 3])
     g2 = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    wire = WireCounter()  # point-to-point ops that reach the wire (the V's turn is a local copy)
     for pp, M in CONFIGS:
         group, ranks = (g4, [0, 1, 2, 3]) if pp == 4 else (g2[rank // 2], [0, 1] if rank < 2 else [2, 3])
         comm = PipelineCommunicator(pp_group=group, pp_ranks=ranks, pp_rank=ranks.index(rank), device="cpu")
+        stage = ranks.index(rank)
         for overlap in (False, True):
-            zb_v_run(comm, pp, ranks.index(rank), M, overlap)
+            for _ in range(2):  # the second run's messages are predicted: one per tensor
+                before = wire.ops
+                zb_v_run(comm, pp, stage, M, overlap)
+            assert wire.ops - before == v_minimum(pp, stage, M), (pp, M, stage, wire.ops - before)
         comm.wait_all()
         assert comm.pending_sends == 0
     dist.barrier()

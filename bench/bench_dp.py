@@ -28,10 +28,10 @@ import os
 import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bert_bench import bert_classifier, cpu_ms_per_rank, read_ranks, slowest_median_ms, step_timer, timer_record  # noqa: E402
 from common import RESULTS, launch_script, load_average, machine_info, machine_line, md_table, text_table  # noqa: E402
 
 CONFIGS = {
@@ -46,9 +46,7 @@ def worker(cfg: dict) -> None:
     """One rank of one run: train, write this rank's step and CPU times to cfg['out'].rankR.json."""
     import lightning as L
     import torch
-    from lightning.pytorch.callbacks import Callback
     from torch.utils.data import DataLoader, TensorDataset
-    from transformers import BertConfig, BertForSequenceClassification
 
     torch.set_num_threads(1)
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
@@ -56,9 +54,7 @@ def worker(cfg: dict) -> None:
     class Bert(L.LightningModule):
         def __init__(self):
             super().__init__()
-            config = BertConfig(hidden_size=256, num_hidden_layers=4, num_attention_heads=4, intermediate_size=1024,
-                                hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, num_labels=2)
-            self.model = BertForSequenceClassification(config)
+            self.model = bert_classifier(hidden=256, layers=4, vocab=30522)
 
         def training_step(self, batch, batch_idx):
             ids, labels = batch
@@ -66,18 +62,6 @@ def worker(cfg: dict) -> None:
 
         def configure_optimizers(self):
             return torch.optim.AdamW(self.parameters(), lr=1e-4)
-
-    class StepTimer(Callback):
-        def __init__(self):
-            self.step, self.cpu, self.loss = [], [], []
-
-        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-            self._t0, self._c0 = time.perf_counter(), time.process_time()
-
-        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-            self.step.append(time.perf_counter() - self._t0)
-            self.cpu.append(time.process_time() - self._c0)
-            self.loss.append(float(outputs["loss"]))
 
     L.seed_everything(0, verbose=False)
     g = torch.Generator().manual_seed(1 + rank)  # each rank its own half of the global batch
@@ -91,12 +75,12 @@ def worker(cfg: dict) -> None:
         from megastrategy import MegatronStrategy
 
         strategy = MegatronStrategy(**{k: v for k, v in cfg.items() if k in ("overlap_grad_reduce", "bucket_numel")})
-    timer = StepTimer()
+    timer = step_timer()
     trainer = L.Trainer(accelerator="cpu", devices=world, strategy=strategy, max_steps=cfg["steps"], logger=False,
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                         callbacks=[timer], use_distributed_sampler=False, limit_val_batches=0, num_sanity_val_steps=0)
     trainer.fit(Bert(), DataLoader(data, batch_size=cfg["batch"], shuffle=False))
-    Path(f"{cfg['out']}.rank{rank}.json").write_text(json.dumps({"step": timer.step, "cpu": timer.cpu, "loss": timer.loss}))
+    Path(f"{cfg['out']}.rank{rank}.json").write_text(json.dumps(timer_record(timer)))
 
 
 def run(cfg: dict, timeout: float) -> dict:
@@ -104,10 +88,9 @@ def run(cfg: dict, timeout: float) -> dict:
     out = Path(tempfile.mkdtemp(prefix="bench-dp-")) / "run"
     load = load_average()
     launch_script(Path(__file__).resolve(), 2, ["--worker", json.dumps({**cfg, "out": str(out)})], timeout)
-    ranks = [json.loads(Path(f"{out}.rank{r}.json").read_text()) for r in range(2)]
-    w = cfg["warmup"]
-    return {"median_ms": max(statistics.median(r["step"][w:]) for r in ranks) * 1e3,
-            "cpu_ms_per_rank": [statistics.median(r["cpu"][w:]) * 1e3 for r in ranks],
+    ranks, w = read_ranks(out, 2), cfg["warmup"]
+    return {"median_ms": slowest_median_ms(ranks, "step", w),
+            "cpu_ms_per_rank": cpu_ms_per_rank(ranks, w),
             "loss": [sum(v) / 2 for v in zip(*(r["loss"] for r in ranks))], "load_before": load}
 
 

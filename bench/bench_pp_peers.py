@@ -23,13 +23,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 import tempfile
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bert_bench import bert_classifier, cpu_ms_per_rank, read_ranks, slowest_median_ms, step_timer, timer_record, token_batches  # noqa: E402
 from common import RESULTS, launch_script, load_average, machine_info, machine_line, md_table, text_table  # noqa: E402
 
 import torch  # noqa: E402
@@ -38,19 +38,11 @@ LAYERS, SEQ, BATCH, MICROBATCHES, VOCAB, LR = 8, 64, 16, 4, 1000, 1e-3
 
 
 def _bert(hidden: int):
-    from transformers import AutoModelForSequenceClassification, BertConfig
-
-    config = BertConfig(vocab_size=VOCAB, hidden_size=hidden, num_hidden_layers=LAYERS, num_attention_heads=4,
-                        intermediate_size=4 * hidden, max_position_embeddings=SEQ, num_labels=2,
-                        hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
-    torch.manual_seed(0)
-    return AutoModelForSequenceClassification.from_config(config)
+    return bert_classifier(hidden, LAYERS, VOCAB, SEQ)
 
 
 def _batches(steps: int) -> torch.utils.data.DataLoader:
-    g = torch.Generator().manual_seed(1)
-    ids, labels = torch.randint(0, VOCAB, (steps * BATCH, SEQ), generator=g), torch.randint(0, 2, (steps * BATCH,), generator=g)
-    return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(ids, labels), batch_size=BATCH)
+    return token_batches(steps, BATCH, SEQ, VOCAB)
 
 
 class _Stage(torch.nn.Module):
@@ -74,7 +66,6 @@ class _Stage(torch.nn.Module):
 
 def _lightning_worker(cfg: dict, rank: int) -> dict:
     import lightning as L
-    from lightning.pytorch.callbacks import Callback
 
     class Classifier(L.LightningModule):
         def __init__(self):
@@ -92,25 +83,7 @@ def _lightning_worker(cfg: dict, rank: int) -> dict:
         def configure_optimizers(self):
             return torch.optim.AdamW(self.parameters(), lr=LR)
 
-    class Timer(Callback):
-        def __init__(self):
-            self.step, self.cpu, self.loss, self.val = [], [], [], []
-
-        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-            self._t0, self._c0 = time.perf_counter(), time.process_time()
-
-        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-            self.step.append(time.perf_counter() - self._t0)
-            self.cpu.append(time.process_time() - self._c0)
-            self.loss.append(float(outputs["loss"]))
-
-        def on_validation_batch_start(self, trainer, pl_module, batch, batch_idx, dataloader_idx=0):
-            self._v0 = time.perf_counter()
-
-        def on_validation_batch_end(self, trainer, pl_module, outputs, batch, batch_idx, dataloader_idx=0):
-            self.val.append(time.perf_counter() - self._v0)
-
-    timer = Timer()
+    timer = step_timer()
     if cfg["pp"] > 1:
         from megastrategy import MegatronStrategy
 
@@ -123,7 +96,7 @@ def _lightning_worker(cfg: dict, rank: int) -> dict:
     module = Classifier()
     trainer.fit(module, _batches(cfg["steps"]))
     trainer.validate(module, _batches(cfg["steps"]), verbose=False)
-    return {"step": timer.step, "cpu": timer.cpu, "loss": timer.loss, "val": timer.val}
+    return timer_record(timer)
 
 
 def _torch_worker(cfg: dict, rank: int) -> dict:
@@ -192,11 +165,9 @@ def run(cfg: dict, timeout: float) -> dict:
     out = Path(tempfile.mkdtemp(prefix="megabench-peers-")) / "run"
     cfg = dict(cfg, out=str(out))
     launch_script(Path(__file__).resolve(), cfg["pp"], ["--worker", json.dumps(cfg)], timeout)
-    ranks = [json.loads(Path(f"{out}.rank{r}.json").read_text()) for r in range(cfg["pp"])]
-    w = cfg["warmup"]
-    return {"median_ms": max(statistics.median(r["step"][w:]) for r in ranks) * 1e3,
-            "val_ms": max(statistics.median(r["val"][w:]) for r in ranks) * 1e3,
-            "cpu_ms": [statistics.median(r["cpu"][w:]) * 1e3 for r in ranks], "loss": ranks[-1]["loss"]}
+    ranks, w = read_ranks(out, cfg["pp"]), cfg["warmup"]
+    return {"median_ms": slowest_median_ms(ranks, "step", w), "val_ms": slowest_median_ms(ranks, "val", w),
+            "cpu_ms": cpu_ms_per_rank(ranks, w), "loss": ranks[-1]["loss"]}
 
 
 def _best_of(cfg: dict, sides: tuple[str, str], repeats: int, timeout: float) -> dict[str, dict]:

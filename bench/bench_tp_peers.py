@@ -18,34 +18,17 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bert_bench import bert_classifier, cpu_ms_per_rank, read_ranks, slowest_median_ms, step_timer, timer_record, token_batches  # noqa: E402
 from common import RESULTS, launch_script, load_average, machine_info, machine_line, md_table, text_table  # noqa: E402
 
 import torch  # noqa: E402
 
 LAYERS, SEQ, BATCH, VOCAB, LR = 4, 64, 16, 1000, 1e-3
-
-
-def _bert(hidden: int):
-    from transformers import AutoModelForSequenceClassification, BertConfig
-
-    config = BertConfig(vocab_size=VOCAB, hidden_size=hidden, num_hidden_layers=LAYERS, num_attention_heads=4,
-                        intermediate_size=4 * hidden, max_position_embeddings=SEQ, num_labels=2,
-                        hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
-    torch.manual_seed(0)
-    return AutoModelForSequenceClassification.from_config(config)
-
-
-def _batches(steps: int) -> torch.utils.data.DataLoader:
-    g = torch.Generator().manual_seed(1)
-    ids, labels = torch.randint(0, VOCAB, (steps * BATCH, SEQ), generator=g), torch.randint(0, 2, (steps * BATCH,), generator=g)
-    return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(ids, labels), batch_size=BATCH)
 
 
 def _user_tp_plan(model, mesh) -> None:
@@ -61,12 +44,11 @@ def _user_tp_plan(model, mesh) -> None:
 
 def _worker(cfg: dict) -> dict:
     import lightning as L
-    from lightning.pytorch.callbacks import Callback
 
     class Classifier(L.LightningModule):
         def __init__(self):
             super().__init__()
-            self.model = _bert(cfg["hidden"])
+            self.model = bert_classifier(cfg["hidden"], LAYERS, VOCAB, SEQ)
 
         def training_step(self, batch, batch_idx):
             ids, labels = batch
@@ -79,19 +61,7 @@ def _worker(cfg: dict) -> dict:
         def configure_model(self):
             _user_tp_plan(self.model, self.device_mesh["tensor_parallel"])
 
-    class Timer(Callback):
-        def __init__(self):
-            self.step, self.cpu, self.loss = [], [], []
-
-        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-            self._t0, self._c0 = time.perf_counter(), time.process_time()
-
-        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-            self.step.append(time.perf_counter() - self._t0)
-            self.cpu.append(time.process_time() - self._c0)
-            self.loss.append(float(outputs["loss"]))
-
-    timer = Timer()
+    timer = step_timer()
     if cfg["side"] == "ours":
         from megastrategy import MegatronStrategy
 
@@ -104,8 +74,8 @@ def _worker(cfg: dict) -> dict:
     trainer = L.Trainer(accelerator="cpu", devices=cfg["tp"], strategy=strategy, max_steps=cfg["steps"], logger=False,
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                         num_sanity_val_steps=0, callbacks=[timer], use_distributed_sampler=False)
-    trainer.fit(module, _batches(cfg["steps"]))
-    return {"step": timer.step, "cpu": timer.cpu, "loss": timer.loss}
+    trainer.fit(module, token_batches(cfg["steps"], BATCH, SEQ, VOCAB))
+    return timer_record(timer)
 
 
 def worker(cfg: dict) -> None:
@@ -120,10 +90,8 @@ def run(cfg: dict, timeout: float) -> dict:
     out = Path(tempfile.mkdtemp(prefix="megabench-tp-peers-")) / "run"
     cfg = dict(cfg, out=str(out))
     launch_script(Path(__file__).resolve(), cfg["tp"], ["--worker", json.dumps(cfg)], timeout)
-    ranks = [json.loads(Path(f"{out}.rank{r}.json").read_text()) for r in range(cfg["tp"])]
-    w = cfg["warmup"]
-    return {"median_ms": max(statistics.median(r["step"][w:]) for r in ranks) * 1e3,
-            "cpu_ms": [statistics.median(r["cpu"][w:]) * 1e3 for r in ranks], "loss": ranks[0]["loss"]}
+    ranks, w = read_ranks(out, cfg["tp"]), cfg["warmup"]
+    return {"median_ms": slowest_median_ms(ranks, "step", w), "cpu_ms": cpu_ms_per_rank(ranks, w), "loss": ranks[0]["loss"]}
 
 
 def main() -> None:

@@ -101,9 +101,13 @@ def sgd(model, lr=0.1):
 
 
 def assert_same(a, b, tol=1e-6):
+    """Every tensor close; a failure names ALL the differing ones with their largest difference."""
     assert a.keys() == b.keys()
-    for k in a:
-        torch.testing.assert_close(a[k], b[k], atol=tol, rtol=tol, msg=lambda m, k=k: f"{k}: {m}")
+    bad = {
+        k: f"{(a[k] - b[k]).abs().max().item():.3e} (largest value {b[k].abs().max().item():.3e})"
+        for k in a if not torch.allclose(a[k], b[k], atol=tol, rtol=tol)
+    }
+    assert not bad, f"differ beyond {tol}: {bad}"
 
 
 def check_replays(stub, report, plan):

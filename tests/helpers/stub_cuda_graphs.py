@@ -5,7 +5,8 @@ graphed callable owns ONE set of static inputs and outputs and ONE saved autogra
 a replay copies its inputs into the static inputs, overwrites the static outputs, returns
 them (so eager code downstream saves views of them), and replaces the saved state that its
 backward will use. Replaying a slot whose microbatch has not run its backward yet therefore
-corrupts that microbatch's gradients, exactly as on a GPU.
+corrupts that microbatch's gradients, exactly as on a GPU. Its backward, like a real graph's,
+returns gradients as detached views of ONE set of static gradient buffers per graph.
 """
 from __future__ import annotations
 
@@ -43,7 +44,14 @@ class _StubReplay(torch.autograd.Function):
             [o for o, _ in pairs], wrt, [g if g is not None else torch.zeros_like(o) for o, g in pairs],
             allow_unused=True, retain_graph=True,
         )
-        it = iter(got)
+        if graphed.static_grads is None:  # like a real graph: ONE set of gradient buffers per graph
+            graphed.static_grads = [None if g is None else torch.zeros_like(g) for g in got]
+        with torch.no_grad():
+            for s, g in zip(graphed.static_grads, got):
+                if s is not None:
+                    s.copy_(g)
+        # returned as detached views of those buffers, as torch's and TE's graphs return them
+        it = iter(None if s is None else s.detach() for s in graphed.static_grads)
         in_grads = [next(it) if i.requires_grad else None for i in ins]
         return (None, *in_grads, *it)
 
@@ -58,6 +66,7 @@ class StubGraphed:
             outs = callable_(*self.static_inputs)
         self.static_outputs = [o.detach().clone() for o in outs]
         self.saved = None
+        self.static_grads = None
 
     def __call__(self, *tensors):
         assert [(t.shape, t.dtype) for t in tensors] == [(s.shape, s.dtype) for s in self.static_inputs]

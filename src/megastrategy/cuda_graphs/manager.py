@@ -27,6 +27,7 @@ from typing import Any, Literal, Optional, Sequence
 from torch import nn
 
 from megastrategy.cuda_graphs.capture import CaptureReport, GraphFn, capture_graphs
+from megastrategy.cuda_graphs.grad_guard import StaticGradGuard
 from megastrategy.cuda_graphs.runner import SMALL_OUTPUT_NUMEL, GraphRunner, install_runners, uninstall_runners
 from megastrategy.cuda_graphs.scope import GraphTargets, find_graph_targets, validate_cuda_graph_scope
 from megastrategy.cuda_graphs.slots import SlotPlan, SlotTracker, plan_for_schedule
@@ -75,6 +76,7 @@ class CudaGraphManager:
         self.training_steps = 0
         self.plan: Optional[SlotPlan] = None
         self.report: Optional[CaptureReport] = None
+        self.grad_guard = StaticGradGuard()
         self._training_step = False
 
     # -- per step ------------------------------------------------------------------------
@@ -117,6 +119,7 @@ class CudaGraphManager:
             self.runners, self.plan, graph_fn=self.graph_fn, num_warmup_iters=self.num_warmup_iters,
             on_error=self.on_error,
         )
+        self.grad_guard.cover(r.target.module for r in self.runners if r.graphs and r.target.module is not None)
         return self.report
 
     # -- inspection / teardown -------------------------------------------------------------
@@ -130,4 +133,5 @@ class CudaGraphManager:
     def uninstall(self) -> None:
         """Restore every original callable (the graphs are dropped)."""
         uninstall_runners(self.runners)
+        self.grad_guard.remove()
         self.runners = []

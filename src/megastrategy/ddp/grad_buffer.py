@@ -134,6 +134,7 @@ class GradientBuffer:
         self._last_microbatch = False
         self._backward_passes = 1
         self._calls: dict[int, int] = {}
+        self._any_started = False  # some bucket's reduction is in flight (a late gradient is an error)
         self.num_early_starts = 0  # buckets whose reduction a backward hook started (cumulative)
 
         by_dtype: "OrderedDict[tuple[torch.dtype, torch.device], list[nn.Parameter]]" = OrderedDict()
@@ -229,15 +230,28 @@ class GradientBuffer:
 
     def _reset_counts(self, backward_passes: int) -> None:
         self._calls.clear()
+        self._any_started = False
         for bucket in self.buckets:
             bucket.pending = len(bucket.params) * backward_passes
             bucket.started = bucket.started_early = False
             bucket.work = None
 
     def _accumulate(self, param: nn.Parameter) -> None:
-        """Move the gradient autograd just produced into ``main_grad`` and free ``.grad``."""
-        bucket = self._bucket_of[id(param)] if self.overlap_grad_reduce else None
-        if bucket is not None and bucket.started:
+        """Move the gradient autograd just produced into ``main_grad`` and free ``.grad``.
+
+        Runs once per parameter per microbatch: the microbatches before the last one take the
+        short path (no bucket bookkeeping can apply to them)."""
+        param.main_grad.add_(param.grad)
+        param.grad = None
+        self.has_grads = True
+        self.is_reduced = False
+        if not self.overlap_grad_reduce or not (self._last_microbatch or self._any_started):
+            return
+        self._count_toward_reduction(param)
+
+    def _count_toward_reduction(self, param: nn.Parameter) -> None:
+        bucket = self._bucket_of[id(param)]
+        if bucket.started:
             raise RuntimeError(
                 f"overlap_grad_reduce: a parameter of shape {tuple(param.shape)} received a gradient after "
                 f"the reduction of its bucket {bucket.index} had started (more backward passes in the last "
@@ -245,11 +259,7 @@ class GradientBuffer:
                 "e.g. by reentrant activation checkpointing); use MegatronStrategy(overlap_grad_reduce=False), or "
                 "pass the right backward_passes to set_is_last_microbatch."
             )
-        param.main_grad.add_(param.grad)
-        param.grad = None
-        self.has_grads = True
-        self.is_reduced = False
-        if bucket is None or not self._last_microbatch:
+        if not self._last_microbatch:
             return
         calls = self._calls.get(id(param), 0) + 1
         self._calls[id(param)] = calls
@@ -265,6 +275,7 @@ class GradientBuffer:
     def _start(self, bucket: _Bucket, *, async_op: bool) -> None:
         """Average ``bucket`` over the group: all-reduce, or reduce-scatter into this rank's shard."""
         bucket.started = True
+        self._any_started = True
         bucket.data.div_(self.dp_size)
         if self.distributed_optimizer:
             done, work = try_fused(

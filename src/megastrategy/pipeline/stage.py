@@ -101,9 +101,30 @@ class MetaStandIn(nn.Module):
         )
 
 
+class _NotFlat(Exception):
+    pass
+
+
+def _leaf_key(leaf: Any) -> Any:
+    if isinstance(leaf, torch.Tensor):
+        return (tuple(leaf.shape), leaf.dtype, leaf.device, leaf.requires_grad)
+    if isinstance(leaf, _PLAIN_VALUES):
+        return (type(leaf), leaf)
+    raise _NotFlat
+
+
 def _signature(value: Any) -> Any:
     """A hashable key for what a meta run's output can depend on; ``None`` when an argument is an
-    object other than a tensor or a plain value."""
+    object other than a tensor or a plain value.
+
+    Called once per microbatch, so the usual call (every argument a tensor or a plain value, as
+    an embedding's) is keyed without flattening: a pytree spec's text costs far more than the
+    lookup it serves."""
+    args, kwargs = value
+    try:
+        return ("flat", tuple(_leaf_key(a) for a in args), tuple((k, _leaf_key(v)) for k, v in kwargs.items()))
+    except _NotFlat:
+        pass
     leaves, spec = flatten_batch(value)
     key = [str(spec)]
     for leaf in leaves:
@@ -190,6 +211,7 @@ class PipelineStage:
     _stack_finished: bool = False
     _active_chunk: Optional[int] = None
     _applications: int = 0
+    _forward_parameters: dict = field(default_factory=dict)  # forward function -> its parameter names
 
     def is_first_virtual(self, chunk: int) -> bool:
         return self._where().stage(self.pp_rank, chunk) == 0
@@ -242,13 +264,21 @@ class PipelineStage:
             args, kwargs = (x, *args[1:]), dict(kwargs)
         else:
             kwargs = {**kwargs, next(iter(kwargs)): x}
-        params = list(inspect.signature(block.forward).parameters)
+        params = self._parameter_names(block) if extras else []
         for (_, name), value in zip(self.carried, extras):
             if name not in kwargs and name in params and params.index(name) < len(args):
                 args = tuple(value if i == params.index(name) else a for i, a in enumerate(args))
             else:
                 kwargs[name] = value
         return args, kwargs
+
+    def _parameter_names(self, block: nn.Module) -> list[str]:
+        """The names of ``block.forward``'s parameters, looked up once per forward function."""
+        forward = getattr(block.forward, "__func__", block.forward)
+        names = self._forward_parameters.get(forward)
+        if names is None:
+            names = self._forward_parameters[forward] = list(inspect.signature(block.forward).parameters)
+        return names
 
     def end_of_chunk(self, output: Any) -> None:
         """After the chunk's last block: end the forward with its hidden state, unless the chunk

@@ -119,6 +119,7 @@ class GradientBuffer:
         self.dp_rank = dist.get_rank(group) if distributed else 0
         self.overlap_grad_reduce = bool(overlap_grad_reduce)
         self.distributed_optimizer = bool(distributed_optimizer)
+        self._overlapping = self.overlap_grad_reduce and self.dp_size > 1  # one replica: nothing to start early
         unique: "OrderedDict[int, nn.Parameter]" = OrderedDict()
         for p in params:
             if p.requires_grad:
@@ -245,7 +246,7 @@ class GradientBuffer:
         param.grad = None
         self.has_grads = True
         self.is_reduced = False
-        if not self.overlap_grad_reduce or not (self._last_microbatch or self._any_started):
+        if not self._overlapping or not (self._last_microbatch or self._any_started):
             return
         self._count_toward_reduction(param)
 

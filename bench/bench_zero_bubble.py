@@ -264,12 +264,18 @@ def main() -> None:
                   ["B + W, W replays the backward", cost["replay"], cost["replay"] / cost["whole"], cost["replay B"]]])
     ref = bench_pp.serial_reference(a.microbatches, a.mb, a.seq) if not a.split_only else None
     best: dict[tuple[int, str], dict] = {}
+    failed: dict[tuple[int, str], str] = {}
     for rep in range(0 if a.split_only else a.repeats):
         for pp in a.pp:
             for impl in a.impls:
                 worker = ours_worker if impl.startswith("ours") else torch_worker
-                ranks = common.spawn(worker, pp, impl, a.microbatches, a.mb, a.seq, a.steps, a.warmup,
-                                     timeout=a.timeout)
+                try:
+                    ranks = common.spawn(worker, pp, impl, a.microbatches, a.mb, a.seq, a.steps, a.warmup,
+                                         timeout=a.timeout)
+                except RuntimeError as err:  # e.g. a torch build whose ZBV schedule fails: report, go on
+                    failed[(pp, impl)] = str(err).strip().splitlines()[-1][:200]
+                    print(f"  [pp={pp} {impl} run {rep + 1}: FAILED: {failed[(pp, impl)]}]", flush=True)
+                    continue
                 r = summarize(pp, a.microbatches, impl, ranks, ref)
                 print(f"  [pp={pp} {impl} run {rep + 1}: median step {r['step_ms']:.1f} ms, load "
                       f"{common.load_average()}]", flush=True)
@@ -277,6 +283,9 @@ def main() -> None:
                     best[(pp, impl)] = r
     if best:
         _tables(report, a, best)
+    if failed:
+        report.table("Implementations that failed (left out of the tables above)", ["pp", "schedule", "error"],
+                     [[f"pp={pp}", impl, why] for (pp, impl), why in sorted(failed.items())])
     js, md = report.save(a.out_dir)
     print(f"wrote {js} and {md}")
 
@@ -286,7 +295,9 @@ def _tables(report: common.Report, a, best: dict) -> None:
     for pp in a.pp:
         base = best.get((pp, "ours 1F1B"))
         for impl in a.impls:
-            r = best[(pp, impl)]
+            r = best.get((pp, impl))
+            if r is None:
+                continue
             cpu = statistics.mean(r["cpu_ms"])
             rows.append([f"pp={pp}", impl, r["step_ms"], common.ratio(r["step_ms"], base and base["step_ms"]),
                          common.ratio(best[(pp, "ours ZB-H1")]["step_ms"], r["step_ms"]) if (pp, "ours ZB-H1") in best else None,

@@ -22,7 +22,7 @@ format over the model's parameters, so :mod:`megastrategy.checkpoint` reshards i
 """
 from __future__ import annotations
 
-from contextlib import nullcontext
+from contextlib import ExitStack
 from typing import Any, Callable, ContextManager, Iterable, Optional, Union
 
 import torch
@@ -94,9 +94,15 @@ class GradientBuffers(Component):
 
     # ------------------------------------------------------------------ optimizer step
     def last_microbatch_context(self, backward_passes: int) -> ContextManager:
-        if self.buffer is None or not self.buffer.overlap_grad_reduce:
-            return nullcontext()
-        return self.buffer.last_microbatch(backward_passes)
+        """Around the closure of an optimizer step: overlapped reduction during its last backward
+        pass(es), and ``.grad`` kept as a view of the buffer across a pipeline's microbatches."""
+        stack = ExitStack()
+        if self.buffer is not None:
+            if self.buffer.overlap_grad_reduce:
+                stack.enter_context(self.buffer.last_microbatch(backward_passes))
+            if backward_passes > 1:
+                stack.enter_context(self.buffer.gradient_views())
+        return stack
 
     def finalize_grads(self) -> bool:
         """Reduce the accumulated gradients (or wait for the overlapped reductions); without the

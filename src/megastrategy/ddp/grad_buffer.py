@@ -136,6 +136,7 @@ class GradientBuffer:
         self._backward_passes = 1
         self._calls: dict[int, int] = {}
         self._any_started = False  # some bucket's reduction is in flight (a late gradient is an error)
+        self._keep_views = False  # inside gradient_views()
         self.num_early_starts = 0  # buckets whose reduction a backward hook started (cumulative)
 
         by_dtype: "OrderedDict[tuple[torch.dtype, torch.device], list[nn.Parameter]]" = OrderedDict()
@@ -229,6 +230,26 @@ class GradientBuffer:
         finally:
             self.set_is_last_microbatch(False, backward_passes)
 
+    @contextmanager
+    def gradient_views(self) -> Iterator["GradientBuffer"]:
+        """Around several backward passes of one optimizer step (a pipeline's microbatches):
+        ``.grad`` of a parameter whose dtype matches the buffer's is ``main_grad`` from its first
+        gradient on, as ``DistributedDataParallel(gradient_as_bucket_view=True)`` keeps it, so the
+        later passes accumulate in autograd's own code. Outside, ``.grad`` is ``None`` as before."""
+        self._keep_views = True
+        try:
+            yield self
+        finally:
+            self._keep_views = False
+            for p in self.params:
+                if p.grad is not None and p.grad is p.main_grad:
+                    p.grad = None
+
+    @property
+    def keeps_views(self) -> bool:
+        """Inside :meth:`gradient_views`: a ``.grad`` that is ``main_grad`` is the buffer, not an exposure."""
+        return self._keep_views
+
     def _reset_counts(self, backward_passes: int) -> None:
         self._calls.clear()
         self._any_started = False
@@ -241,9 +262,13 @@ class GradientBuffer:
         """Move the gradient autograd just produced into ``main_grad`` and free ``.grad``.
 
         Runs once per parameter per microbatch: the microbatches before the last one take the
-        short path (no bucket bookkeeping can apply to them)."""
-        param.main_grad.add_(param.grad)
-        param.grad = None
+        short path (no bucket bookkeeping can apply to them). Inside :meth:`gradient_views`
+        ``.grad`` stays pointed at ``main_grad`` after the first gradient, so autograd adds the
+        later microbatches' gradients into the buffer itself and there is nothing left to move."""
+        grad, main = param.grad, param.main_grad
+        if grad is not main:
+            main.add_(grad)
+            param.grad = main if self._keep_views and main.dtype == param.dtype else None
         self.has_grads = True
         self.is_reduced = False
         if not self._overlapping or not (self._last_microbatch or self._any_started):

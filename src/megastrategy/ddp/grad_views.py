@@ -27,8 +27,10 @@ def visible_grads(buffers: Iterable["GradientBuffer"]) -> Iterator[None]:
     for buffer in buffers:
         buffer.wait_for_reductions()
         for p in buffer.params:
-            if p.grad is not None or not hasattr(p, "main_grad"):
-                continue  # already exposed (after the reduction) or not buffered any more
+            if not hasattr(p, "main_grad"):
+                continue  # not buffered any more
+            if p.grad is not None and not (buffer.keeps_views and p.grad is p.main_grad):
+                continue  # already exposed (after the reduction)
             grad = p.main_grad if p.main_grad.dtype == p.dtype else p.main_grad.to(p.dtype)
             p.grad = grad
             shown.append((p, grad))

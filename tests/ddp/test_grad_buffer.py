@@ -62,3 +62,37 @@ def test_buffer_is_fp32_and_contiguous_and_ties_count_once():
     assert emb.weight.main_grad.data_ptr() == head.weight.main_grad.data_ptr()
     model["head"](model["emb"](torch.tensor([1, 2]))).float().sum().backward()
     assert emb.weight.main_grad.abs().sum() > 0 and buf.has_grads
+
+
+def _three_passes(model, buffer):
+    xs = [torch.full((2, 3), v) for v in (1.0, -2.0, 0.5)]
+    for x in xs:
+        model(x).pow(2).sum().backward()
+    return xs
+
+
+def test_gradient_views_accumulate_in_the_buffer_and_end_with_no_grad():
+    """Inside gradient_views (a pipeline's microbatches) .grad is main_grad after the first pass,
+    so autograd adds the later passes into the buffer itself; the sums equal the hook-only path."""
+    torch.manual_seed(0)
+    ref, viewed = nn.Linear(3, 2), nn.Linear(3, 2)
+    viewed.load_state_dict(ref.state_dict())
+    ref_buffer, buffer = GradientBuffer(ref.parameters(), group=None), GradientBuffer(viewed.parameters(), group=None)
+    _three_passes(ref, ref_buffer)
+    with buffer.gradient_views():
+        _three_passes(viewed, buffer)
+        assert all(p.grad is p.main_grad for p in viewed.parameters())
+    assert all(p.grad is None for p in viewed.parameters())
+    for p, q in zip(ref.parameters(), viewed.parameters()):
+        torch.testing.assert_close(q.main_grad, p.main_grad, rtol=0, atol=0)
+
+
+def test_gradient_views_leave_a_bf16_parameter_to_the_hook():
+    """A parameter whose dtype differs from the fp32 buffer cannot hold a view of it as .grad."""
+    model = nn.Linear(3, 2).to(torch.bfloat16)
+    buffer = GradientBuffer(model.parameters(), group=None)
+    with buffer.gradient_views():
+        for v in (1.0, 2.0):
+            model(torch.full((2, 3), v, dtype=torch.bfloat16)).float().pow(2).sum().backward()
+        assert all(p.grad is None for p in model.parameters())
+    assert model.weight.main_grad.dtype == torch.float32 and model.weight.main_grad.abs().sum() > 0

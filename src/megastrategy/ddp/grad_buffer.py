@@ -2,7 +2,9 @@
 
 Instead of wrapping the module in ``DistributedDataParallel``, every trainable parameter gets a
 ``main_grad`` that is a view into one flat buffer per gradient dtype (fp32 by default, whatever
-the parameter dtype). Autograd hooks move each freshly accumulated ``.grad`` into ``main_grad``,
+the parameter dtype). Autograd hooks move each freshly accumulated ``.grad`` into ``main_grad``
+(inside :meth:`GradientBuffer.gradient_views`, a pipeline step, ``.grad`` then stays that view so
+autograd adds the later microbatches itself),
 so microbatches and gradient-accumulation steps add up in full precision in one place, and the
 data-parallel reduction is one collective per bucket per optimizer step rather than one per
 parameter or per backward.

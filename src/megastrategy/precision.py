@@ -22,6 +22,8 @@ from typing import Any, Callable, ContextManager, Optional
 import torch
 import torch.distributed as dist
 
+from megastrategy.ddp.overlap_policy import overrides_on_after_backward
+
 __all__ = ["ModelParallelPrecision", "adopt_precision_plugin", "agree_on_overflow", "loss_scaler"]
 
 Clip = Callable[[Any, float], Any]
@@ -52,7 +54,11 @@ class ModelParallelPrecision:
     _megatron_finalize: Callable[[], None] = staticmethod(lambda: None)
 
     def post_backward(self, tensor: Any, module: Any) -> Any:
-        # Lightning calls on_after_backward from here: let it read the gradients as p.grad.
+        # Lightning calls on_after_backward from here: let it read the gradients as p.grad
+        # (a walk over every parameter, skipped when no module or callback defines the hook).
+        trainer = getattr(module, "_trainer", None)
+        if not overrides_on_after_backward(module, getattr(trainer, "callbacks", ())):
+            return super().post_backward(tensor, module)
         with self._megatron_grads_visible():
             return super().post_backward(tensor, module)
 

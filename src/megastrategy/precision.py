@@ -56,10 +56,9 @@ class ModelParallelPrecision:
     def post_backward(self, tensor: Any, module: Any) -> Any:
         # Lightning calls on_after_backward from here: let it read the gradients as p.grad
         # (a walk over every parameter, skipped when no module or callback defines the hook).
-        trainer = getattr(module, "_trainer", None)
-        if not overrides_on_after_backward(module, getattr(trainer, "callbacks", ())):
-            return super().post_backward(tensor, module)
-        with self._megatron_grads_visible():
+        callbacks = getattr(getattr(module, "_trainer", None), "callbacks", ())
+        visible = self._megatron_grads_visible if overrides_on_after_backward(module, callbacks) else nullcontext
+        with visible():
             return super().post_backward(tensor, module)
 
     def clip_grad_by_norm(self, optimizer: Any, clip_val: float) -> None:

@@ -31,6 +31,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from megastrategy.collectives import all_gather_single, reduce_scatter_single, try_fused
+from megastrategy.exchange_all_reduce import exchange_all_reduce, exchange_applies
 
 __all__ = [
     "CollectiveRecord",
@@ -150,11 +151,14 @@ _reduce_scatter_single = reduce_scatter_single
 
 def all_reduce(t: Tensor, group, op: str = "sum") -> Tensor:
     """All-reduce ``t`` IN PLACE over ``group`` (``op`` in sum/max/min); returns ``t``."""
-    if group_world_size(group) == 1:
+    world = group_world_size(group)
+    if world == 1:
         return t
     if not t.is_contiguous():
         raise ValueError("all_reduce needs a contiguous tensor (it reduces in place)")
     _record("all_reduce" if op == "sum" else f"all_reduce_{op}", t)
+    if exchange_applies(t, group, world, op):
+        return exchange_all_reduce(t, group, world, op)
     dist.all_reduce(t, op=_REDUCE_OPS[op], group=group)
     return t
 

@@ -16,9 +16,13 @@ on real processes (gloo over 127.0.0.1, one thread each). Per pipeline size it r
 * ``torch ZBV``: ``ScheduleZBVZeroBubble``, two stages per rank in a V (rank r holds r and 2p-1-r).
 
 Every run records each rank's CPU time per step (``process_time``), the figure to compare on a loaded
-machine. For our runs it also times every F, B and W on every rank and feeds those times, per rank and
-kind, to ``simulate_steps``: the measured idle time per rank (step time minus the rank's compute)
-is printed beside the simulated one. Results go to bench/results/bench_zero_bubble.{json,md}.
+machine. For our runs it also times, on every rank, every F, B and W, every wait for a message, and
+the rest of the step (the executor's own work: posting sends, bookkeeping), and measures the one-way
+latency of an activation-sized message by ping-pong before the steps. The simulator is then fed
+what was measured (each step's compute plus its share of the rank's own overhead, and the latency
+per hop) and its idle time per rank (makespan minus busy) is printed beside the measured one (time
+in message waits plus the time after the rank finished while the slowest rank had not). Results go
+to bench/results/bench_zero_bubble.{json,md}.
 """
 from __future__ import annotations
 
@@ -60,6 +64,33 @@ class StepClock:
         return timed
 
 
+def _time_waits(clock: StepClock) -> None:
+    """Time every blocking wait of our communicator (a receive, the end-of-step wait for sends)."""
+    from megastrategy.pipeline import p2p
+
+    p2p.RecvHandle.wait = clock.wrap(p2p.RecvHandle.wait, "wait")
+    p2p.PipelineCommunicator.wait_all = clock.wrap(p2p.PipelineCommunicator.wait_all, "wait")
+
+
+def one_way_latency(rank: int, pp: int, nbytes: int, rounds: int = 30) -> float | None:
+    """Seconds for one ``nbytes`` message between ranks 0 and 1: median ping-pong round trip / 2."""
+    import torch.distributed as dist
+
+    if rank > 1:
+        return None
+    buf, trips = torch.zeros(nbytes // 4), []
+    for _ in range(rounds):
+        t0 = time.perf_counter()
+        if rank == 0:
+            dist.send(buf, 1)
+            dist.recv(buf, 1)
+        else:
+            dist.recv(buf, 0)
+            dist.send(buf, 0)
+        trips.append(time.perf_counter() - t0)
+    return statistics.median(trips) / 2
+
+
 def _time_backwards(clock: StepClock, split: bool) -> None:
     """Time the backward compute steps of our executor: B and W (split), or every whole backward
     (all of them go through ``torch.autograd.backward``); receive waits are outside both."""
@@ -92,8 +123,10 @@ def ours_worker(rank: int, world: int, impl: str, m: int, mb: int, seq: int, ste
     ex = PipelineExecutor(comm, pp_size=pp, pp_rank=rank, vp_size=vp, placement=placement,
                           reuse_saved_gradients=not impl.endswith("replay"))
     order = _our_order(impl, m, pp, rank)
+    latency = one_way_latency(rank, pp, xs[0].numel() * xs[0].element_size())
     clock = StepClock()
     _time_backwards(clock, split="ZB" in impl)
+    _time_waits(clock)
 
     def forward_step(chunk, i, inp):
         h = chunks[chunk](xs[i] if inp is None else inp)
@@ -112,7 +145,7 @@ def ours_worker(rank: int, world: int, impl: str, m: int, mb: int, seq: int, ste
         if step >= warmup:
             records.append({"step": elapsed, "cpu": cpu, "times": {k: list(v) for k, v in clock.times.items()}})
     grad_sq = sum(float(p.grad.double().pow(2).sum()) for p in params)
-    return {"records": records, "losses": [float(v) for v in out], "grad_sq": grad_sq}
+    return {"records": records, "losses": [float(v) for v in out], "grad_sq": grad_sq, "latency": latency}
 
 
 def _our_layout(impl: str, pp: int):
@@ -173,25 +206,39 @@ def torch_worker(rank: int, world: int, impl: str, m: int, mb: int, seq: int, st
 
 
 # ======================================================================================
-def simulated_idle(pp: int, m: int, impl: str, ranks: list[dict]) -> list[float]:
-    """The simulator's idle seconds per rank, fed each rank's mean measured F, B, W (or whole) time."""
+COMPUTE = ("F", "B", "W", "whole")
+
+
+def _rank_costs(record: dict) -> tuple[float, float, int]:
+    """(compute seconds, wait seconds, compute steps) of one rank's step record."""
+    t = record["times"]
+    return (sum(sum(t.get(k, [])) for k in COMPUTE), sum(t.get("wait", [])),
+            sum(len(t.get(k, [])) for k in COMPUTE))
+
+
+def simulated_idle(pp: int, m: int, impl: str, ranks: list[dict], latency: float) -> list[float]:
+    """The simulator's idle seconds per rank, fed what each rank measured: the mean F, B, W (or whole)
+    time plus the rank's own overhead per compute step (step time minus compute minus waits, spread
+    evenly), and ``latency`` seconds per hop between ranks."""
     from megastrategy.pipeline import simulate_steps
 
-    means = []
+    means, overhead = [], []
     for r in ranks:
         pooled: dict[str, list[float]] = defaultdict(list)
         for rec in r["records"]:
-            for k, v in rec["times"].items():
-                pooled[k] += v
-        means.append({k: statistics.mean(v) for k, v in pooled.items()})
+            for k in COMPUTE:
+                pooled[k] += rec["times"].get(k, [])
+        means.append({k: statistics.mean(v) for k, v in pooled.items() if v})
+        costs = [_rank_costs(rec) for rec in r["records"]]
+        overhead.append(statistics.mean((rec["step"] - c - w) / n for rec, (c, w, n) in zip(r["records"], costs)))
 
     def cost(rank: int, step) -> float:
         kind = step.kind if "ZB" in impl else ("F" if step.is_forward else "whole")
-        return means[rank].get(kind, 0.0)
+        return means[rank].get(kind, 0.0) + overhead[rank]
 
     _, vp, placement = _our_layout(impl, pp)
     orders = [_our_order(impl, m, pp, r) for r in range(pp)]
-    return simulate_steps(orders, vp, step_time=cost, placement=placement).idle
+    return simulate_steps(orders, vp, step_time=cost, placement=placement, p2p_time=latency).idle
 
 
 def summarize(pp: int, m: int, impl: str, ranks: list[dict], ref: dict) -> dict:
@@ -204,13 +251,14 @@ def summarize(pp: int, m: int, impl: str, ranks: list[dict], ref: dict) -> dict:
     out["grad_rel_err"] = abs(sum(r["grad_sq"] for r in ranks) ** 0.5 - ref["grad_norm"]) / ref["grad_norm"]
     if impl.startswith("ours"):
         idle = []
-        for r in ranks:  # per step: the step's makespan minus this rank's compute
+        for r in ranks:  # per step: waiting for messages, and waiting for the slowest rank to finish
             idle.append(statistics.mean(
-                makespan[s] - sum(sum(v) for v in r["records"][s]["times"].values()) for s in range(n)))
+                _rank_costs(r["records"][s])[1] + makespan[s] - r["records"][s]["step"] for s in range(n)))
         out["idle_ms"] = [i * 1e3 for i in idle]
-        out["sim_idle_ms"] = [i * 1e3 for i in simulated_idle(pp, m, impl, ranks)]
+        out["latency_ms"] = ranks[0]["latency"] * 1e3
+        out["sim_idle_ms"] = [i * 1e3 for i in simulated_idle(pp, m, impl, ranks, ranks[0]["latency"])]
         out["times_ms"] = {k: statistics.mean(t for rec in ranks[1]["records"] for t in rec["times"].get(k, [0.0])) * 1e3
-                           for k in ("F", "B", "W", "whole")}
+                           for k in (*COMPUTE, "wait")}
     return out
 
 
@@ -312,11 +360,12 @@ def _tables(report: common.Report, a, best: dict) -> None:
         if "idle_ms" in r:
             err = [abs(x - s) / s if s > 0 else None for x, s in zip(r["idle_ms"], r["sim_idle_ms"])]
             rows.append([f"pp={pp}", impl, bench_pp.lst(r["idle_ms"], 1), bench_pp.lst(r["sim_idle_ms"], 1),
-                         bench_pp.lst([e for e in err if e is not None], 2),
+                         bench_pp.lst([e for e in err if e is not None], 2), f"{r['latency_ms']:.2f}",
                          " / ".join(f"{k} {v:.2f}" for k, v in r["times_ms"].items() if v)])
-    report.table("Idle per rank: measured (makespan - own compute) beside the simulator fed measured step times",
+    report.table("Idle per rank: measured (message waits + waiting for the slowest rank) beside the simulator "
+                 "fed the measured step times, overhead and message latency",
                  ["pp", "schedule", "measured idle ms", "simulated idle ms", "relative difference",
-                  "rank 1 step ms"], rows)
+                  "one-way latency ms", "rank 1 mean step ms"], rows)
 
 
 if __name__ == "__main__":

@@ -28,7 +28,11 @@ def _check_against_gloo(rank, world):
             for dtype in (torch.float32, torch.bfloat16):
                 ours, ref = _value(rank, dtype), _value(rank, dtype)
                 assert exchange_applies(ours, group, size, op)
+                kept = _value(rank, dtype)
+                fresh = exchange_all_reduce(kept, group, size, op, in_place=False)
                 exchange_all_reduce(ours, group, size, op)
+                if not (torch.equal(kept, _value(rank, dtype)) and torch.equal(fresh, ours)):
+                    failures.append(f"world {size} {op} {dtype}: in_place=False changed its input or its result")
                 dist.all_reduce(ref, op=ref_op, group=group)
                 tol = 1e-6 if dtype == torch.float32 else 1e-2
                 exact = size == 2 or op != "sum"  # one add per element: the order cannot differ

@@ -25,8 +25,7 @@ EXCHANGE_TAG = 0x4D53
 #: above this size, groups of more than two ranks keep the backend's bandwidth-optimal ring
 SMALL_BYTES = 1 << 20
 
-_COMBINE = {"sum": torch.Tensor.add_, "max": lambda t, o: torch.maximum(t, o, out=t),
-            "min": lambda t, o: torch.minimum(t, o, out=t)}
+_COMBINE = {"sum": torch.add, "max": torch.maximum, "min": torch.minimum}
 
 
 def exchange_applies(t: Tensor, group, world: int, op: str) -> bool:
@@ -38,17 +37,20 @@ def exchange_applies(t: Tensor, group, world: int, op: str) -> bool:
     return "gloo" in str(dist.get_backend(group))
 
 
-def exchange_all_reduce(t: Tensor, group, world: int, op: str = "sum") -> Tensor:
-    """Reduce contiguous ``t`` in place over ``group`` (``world`` a power of two); returns ``t``."""
+def exchange_all_reduce(t: Tensor, group, world: int, op: str = "sum", *, in_place: bool = True) -> Tensor:
+    """Reduce contiguous ``t`` over ``group`` (``world`` a power of two): in place, returning ``t``;
+    or (``in_place=False``) into a new tensor, leaving ``t`` as it was without copying it first."""
     rank, combine = dist.get_rank(group), _COMBINE[op]
     incoming = torch.empty_like(t)
+    result = t if in_place else None
     step = 1
     while step < world:
         peer = rank ^ step
-        sent = dist.isend(t, group=group, group_dst=peer, tag=EXCHANGE_TAG)
+        current = t if result is None else result
+        sent = dist.isend(current, group=group, group_dst=peer, tag=EXCHANGE_TAG)
         received = dist.irecv(incoming, group=group, group_src=peer, tag=EXCHANGE_TAG)
         sent.wait()
         received.wait()
-        combine(t, incoming)
+        result = combine(current, incoming) if result is None else combine(result, incoming, out=result)
         step <<= 1
-    return t
+    return t if result is None else result

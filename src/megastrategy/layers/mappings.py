@@ -149,16 +149,19 @@ _all_gather_single = all_gather_single
 _reduce_scatter_single = reduce_scatter_single
 
 
-def all_reduce(t: Tensor, group, op: str = "sum") -> Tensor:
-    """All-reduce ``t`` IN PLACE over ``group`` (``op`` in sum/max/min); returns ``t``."""
+def all_reduce(t: Tensor, group, op: str = "sum", *, in_place: bool = True) -> Tensor:
+    """All-reduce ``t`` over ``group`` (``op`` in sum/max/min): IN PLACE, returning ``t``; or
+    (``in_place=False``) into a new tensor, ``t`` untouched. Identity with one rank."""
     world = group_world_size(group)
     if world == 1:
         return t
     if not t.is_contiguous():
-        raise ValueError("all_reduce needs a contiguous tensor (it reduces in place)")
+        raise ValueError("all_reduce needs a contiguous tensor")
     _record("all_reduce" if op == "sum" else f"all_reduce_{op}", t)
     if exchange_applies(t, group, world, op):
-        return exchange_all_reduce(t, group, world, op)
+        return exchange_all_reduce(t, group, world, op, in_place=in_place)
+    if not in_place:
+        t = t.clone()
     dist.all_reduce(t, op=_REDUCE_OPS[op], group=group)
     return t
 
@@ -232,7 +235,7 @@ def _split(x: Tensor, group, dim: int) -> Tensor:
 def _reduce(x: Tensor, group) -> Tensor:
     # never modify a tensor we do not own (autograd may hand the same gradient to
     # several consumers, and the forward input may be saved elsewhere)
-    return all_reduce(x.clone(memory_format=torch.contiguous_format), group)
+    return all_reduce(x.contiguous(), group, in_place=False)
 
 
 # ----------------------------------------------------------------------------------------

@@ -16,12 +16,13 @@ on real processes (gloo over 127.0.0.1, one thread each). Per pipeline size it r
 * ``torch ZBV``: ``ScheduleZBVZeroBubble``, two stages per rank in a V (rank r holds r and 2p-1-r).
 
 Every run records each rank's CPU time per step (``process_time``), the figure to compare on a loaded
-machine. For our runs it also times, on every rank, every F, B and W, every wait for a message, and
-the rest of the step (the executor's own work: posting sends, bookkeeping), and measures the one-way
-latency of an activation-sized message by ping-pong before the steps. The simulator is then fed
-what was measured (each step's compute plus its share of the rank's own overhead, and the latency
-per hop) and its idle time per rank (makespan minus busy) is printed beside the measured one (time
-in message waits plus the time after the rank finished while the slowest rank had not). Results go
+machine. For our runs it also records, on every rank, every F, B and W, and the executor's timeline:
+each step's start and end and its wait for a message, and when each message was posted. The run of
+each rank is split into message waits and busy stretches, each stretch given to the step it belongs
+to (its compute and the executor's work around it). The simulator then replays every measured
+training step, each step taking its own busy time and each hop between ranks the one-way latency
+(from a ping-pong before the steps, and from the run's own messages), and its idle time per rank
+(makespan minus busy) is printed beside the measured one. Results go
 to bench/results/bench_zero_bubble.{json,md}.
 """
 from __future__ import annotations
@@ -70,6 +71,93 @@ def _time_waits(clock: StepClock) -> None:
 
     p2p.RecvHandle.wait = clock.wrap(p2p.RecvHandle.wait, "wait")
     p2p.PipelineCommunicator.wait_all = clock.wrap(p2p.PipelineCommunicator.wait_all, "wait")
+
+
+class ExecutorTimeline:
+    """Each executor step's start and end, the wait for its message (if any), and when each pipeline
+    message was posted, keyed ``(direction, microbatch, receiving stage)``. ``perf_counter`` is the
+    system's monotonic clock, so times compare across processes on one host."""
+
+    def __init__(self) -> None:
+        self.steps: list[list] = []  # [start, end, wait start or None, wait end or None]
+        self.sent: dict[tuple, float] = {}
+        self.waited: dict[tuple, tuple[float, float]] = {}
+        self._current: tuple | None = None
+
+    def install(self, rank: int) -> None:
+        from megastrategy.pipeline import executor, p2p
+
+        line = self
+
+        def sending(orig):
+            def send(run, i, direction, tensor, mb):
+                orig(run, i, direction, tensor, mb)
+                stage = run.ex.placement.stage(rank, run.plan[i][1])
+                line.sent[(direction, mb, stage + (1 if direction == "forward" else -1))] = time.perf_counter()
+            return send
+
+        def stepping(orig, direction):
+            def step(run, *args):
+                chunk, mb = (args[0], args[1]) if direction is None else (args[1], args[2])
+                line._current = (direction, mb, run.ex.placement.stage(rank, chunk))
+                record = [time.perf_counter(), None, None, None]
+                line.steps.append(record)
+                try:
+                    return orig(run, *args)
+                finally:
+                    record[1] = time.perf_counter()
+            return step
+
+        def waiting(orig):
+            def wait(handle, *a, **k):
+                t0 = time.perf_counter()
+                try:
+                    return orig(handle, *a, **k)
+                finally:
+                    line.steps[-1][2:] = [t0, time.perf_counter()]
+                    line.waited[line._current] = (t0, time.perf_counter())
+            return wait
+
+        executor._ScheduleRun.send = sending(executor._ScheduleRun.send)
+        executor._ScheduleRun.forward = stepping(executor._ScheduleRun.forward, "forward")
+        executor._ScheduleRun.backward = stepping(executor._ScheduleRun.backward, "backward")
+        executor._ScheduleRun.weight_gradients = stepping(executor._ScheduleRun.weight_gradients, None)
+        p2p.RecvHandle.wait = waiting(p2p.RecvHandle.wait)
+
+    def take(self, run_start: float, run_end: float) -> dict:
+        """This training step's record: the busy time of every executor step (see :func:`busy_times`)
+        and the messages; then start afresh."""
+        out = {"busy": busy_times(self.steps, run_start, run_end), "start": run_start, "steps": self.steps,
+               "sent": [[*k, v] for k, v in self.sent.items()], "waited": [[*k, *v] for k, v in self.waited.items()]}
+        self.steps, self.sent, self.waited = [], {}, {}
+        return out
+
+
+def busy_times(steps: list[list], run_start: float, run_end: float) -> list[float]:
+    """Split the rank's run into its message waits and busy stretches, and give each executor step
+    the busy stretch from the moment it may proceed (its wait ended, or it began) to the moment the
+    next step starts waiting (or begins); the stretch before the first step goes to the first."""
+    resume = [w1 if w1 is not None else s for s, _, _, w1 in steps]
+    pause = [w0 if w0 is not None else s for s, _, w0, _ in steps[1:]] + [run_end]
+    busy = [p - r for r, p in zip(resume, pause)]
+    if busy:
+        first_pause = steps[0][2] if steps[0][2] is not None else steps[0][0]
+        busy[0] += first_pause - run_start
+    return busy
+
+
+def in_step_latency(ranks: list[dict]) -> float | None:
+    """Median seconds from a message's post to the end of its receiver's wait, over the messages whose
+    receiver was already waiting when they were posted (None if there were none)."""
+    samples = []
+    for s in range(len(ranks[0]["records"])):
+        sent = {tuple(x[:3]): x[3] for r in ranks for x in r["records"][s]["timeline"]["sent"]}
+        for r in ranks:
+            for *key, t0, t1 in r["records"][s]["timeline"]["waited"]:
+                posted = sent.get(tuple(key))
+                if posted is not None and t0 < posted:
+                    samples.append(t1 - posted)
+    return statistics.median(samples) if samples else None
 
 
 def one_way_latency(rank: int, pp: int, nbytes: int, rounds: int = 30) -> float | None:
@@ -127,6 +215,8 @@ def ours_worker(rank: int, world: int, impl: str, m: int, mb: int, seq: int, ste
     clock = StepClock()
     _time_backwards(clock, split="ZB" in impl)
     _time_waits(clock)
+    line = ExecutorTimeline()
+    line.install(rank)
 
     def forward_step(chunk, i, inp):
         h = chunks[chunk](xs[i] if inp is None else inp)
@@ -141,9 +231,12 @@ def ours_worker(rank: int, world: int, impl: str, m: int, mb: int, seq: int, ste
         dist.barrier()
         t0, c0 = time.perf_counter(), time.process_time()
         out = ex.run(order, forward_step=timed_forward, num_microbatches=m, loss_scale=1.0 / m)
-        elapsed, cpu = time.perf_counter() - t0, time.process_time() - c0
+        t1 = time.perf_counter()
+        elapsed, cpu = t1 - t0, time.process_time() - c0
+        timeline = line.take(t0, t1)
         if step >= warmup:
-            records.append({"step": elapsed, "cpu": cpu, "times": {k: list(v) for k, v in clock.times.items()}})
+            records.append({"step": elapsed, "cpu": cpu, "times": {k: list(v) for k, v in clock.times.items()},
+                            "timeline": timeline})
     grad_sq = sum(float(p.grad.double().pow(2).sum()) for p in params)
     return {"records": records, "losses": [float(v) for v in out], "grad_sq": grad_sq, "latency": latency}
 
@@ -209,36 +302,26 @@ def torch_worker(rank: int, world: int, impl: str, m: int, mb: int, seq: int, st
 COMPUTE = ("F", "B", "W", "whole")
 
 
-def _rank_costs(record: dict) -> tuple[float, float, int]:
-    """(compute seconds, wait seconds, compute steps) of one rank's step record."""
-    t = record["times"]
-    return (sum(sum(t.get(k, [])) for k in COMPUTE), sum(t.get("wait", [])),
-            sum(len(t.get(k, [])) for k in COMPUTE))
-
-
 def simulated_idle(pp: int, m: int, impl: str, ranks: list[dict], latency: float) -> list[float]:
-    """The simulator's idle seconds per rank, fed what each rank measured: the mean F, B, W (or whole)
-    time plus the rank's own overhead per compute step (step time minus compute minus waits, spread
-    evenly), and ``latency`` seconds per hop between ranks."""
+    """The simulator's idle seconds per rank, replaying each measured training step: every step takes
+    the busy time it took (:func:`busy_times`: its compute and the executor's work around it) and
+    every hop between ranks ``latency`` seconds. Averaged over the training steps."""
     from megastrategy.pipeline import simulate_steps
-
-    means, overhead = [], []
-    for r in ranks:
-        pooled: dict[str, list[float]] = defaultdict(list)
-        for rec in r["records"]:
-            for k in COMPUTE:
-                pooled[k] += rec["times"].get(k, [])
-        means.append({k: statistics.mean(v) for k, v in pooled.items() if v})
-        costs = [_rank_costs(rec) for rec in r["records"]]
-        overhead.append(statistics.mean((rec["step"] - c - w) / n for rec, (c, w, n) in zip(r["records"], costs)))
-
-    def cost(rank: int, step) -> float:
-        kind = step.kind if "ZB" in impl else ("F" if step.is_forward else "whole")
-        return means[rank].get(kind, 0.0) + overhead[rank]
 
     _, vp, placement = _our_layout(impl, pp)
     orders = [_our_order(impl, m, pp, r) for r in range(pp)]
-    return simulate_steps(orders, vp, step_time=cost, placement=placement, p2p_time=latency).idle
+    idle = [0.0] * pp
+    n = len(ranks[0]["records"])
+    for s in range(n):
+        durations = []
+        for rank, r in enumerate(ranks):
+            busy = r["records"][s]["timeline"]["busy"]
+            assert len(busy) == len(orders[rank]), (len(busy), len(orders[rank]))
+            durations.append(dict(zip(orders[rank], busy)))
+        stats = simulate_steps(orders, vp, step_time=lambda rank, step: durations[rank][step],
+                               placement=placement, p2p_time=latency)
+        idle = [a + b / n for a, b in zip(idle, stats.idle)]
+    return idle
 
 
 def summarize(pp: int, m: int, impl: str, ranks: list[dict], ref: dict) -> dict:
@@ -251,12 +334,15 @@ def summarize(pp: int, m: int, impl: str, ranks: list[dict], ref: dict) -> dict:
     out["grad_rel_err"] = abs(sum(r["grad_sq"] for r in ranks) ** 0.5 - ref["grad_norm"]) / ref["grad_norm"]
     if impl.startswith("ours"):
         idle = []
-        for r in ranks:  # per step: waiting for messages, and waiting for the slowest rank to finish
-            idle.append(statistics.mean(
-                _rank_costs(r["records"][s])[1] + makespan[s] - r["records"][s]["step"] for s in range(n)))
+        for r in ranks:  # per step: the makespan minus the rank's busy time (waits and the tail after it)
+            idle.append(statistics.mean(makespan[s] - sum(r["records"][s]["timeline"]["busy"]) for s in range(n)))
         out["idle_ms"] = [i * 1e3 for i in idle]
         out["latency_ms"] = ranks[0]["latency"] * 1e3
+        in_step = in_step_latency(ranks)
+        out["in_step_latency_ms"] = None if in_step is None else in_step * 1e3
         out["sim_idle_ms"] = [i * 1e3 for i in simulated_idle(pp, m, impl, ranks, ranks[0]["latency"])]
+        if in_step is not None:
+            out["sim_idle_in_step_ms"] = [i * 1e3 for i in simulated_idle(pp, m, impl, ranks, in_step)]
         out["times_ms"] = {k: statistics.mean(t for rec in ranks[1]["records"] for t in rec["times"].get(k, [0.0])) * 1e3
                            for k in (*COMPUTE, "wait")}
     return out
@@ -358,14 +444,20 @@ def _tables(report: common.Report, a, best: dict) -> None:
     rows = []
     for (pp, impl), r in sorted(best.items()):
         if "idle_ms" in r:
-            err = [abs(x - s) / s if s > 0 else None for x, s in zip(r["idle_ms"], r["sim_idle_ms"])]
-            rows.append([f"pp={pp}", impl, bench_pp.lst(r["idle_ms"], 1), bench_pp.lst(r["sim_idle_ms"], 1),
-                         bench_pp.lst([e for e in err if e is not None], 2), f"{r['latency_ms']:.2f}",
+            sims = [r["sim_idle_ms"], r.get("sim_idle_in_step_ms")]
+            errs = [None if sim is None else bench_pp.lst(
+                [abs(x - y) / y for x, y in zip(r["idle_ms"], sim) if y > 0], 2) for sim in sims]
+            in_step = r.get("in_step_latency_ms")
+            rows.append([f"pp={pp}", impl, bench_pp.lst(r["idle_ms"], 1), bench_pp.lst(sims[0], 1), errs[0],
+                         f"{r['latency_ms']:.2f}", None if sims[1] is None else bench_pp.lst(sims[1], 1), errs[1],
+                         None if in_step is None else f"{in_step:.2f}",
                          " / ".join(f"{k} {v:.2f}" for k, v in r["times_ms"].items() if v)])
-    report.table("Idle per rank: measured (message waits + waiting for the slowest rank) beside the simulator "
-                 "fed the measured step times, overhead and message latency",
-                 ["pp", "schedule", "measured idle ms", "simulated idle ms", "relative difference",
-                  "one-way latency ms", "rank 1 mean step ms"], rows)
+    report.table("Idle per rank: measured (makespan minus the rank's busy time) beside the simulator replaying "
+                 "each measured step (each step its own busy time), with the ping-pong latency per hop and with "
+                 "the latency measured on the run's own messages",
+                 ["pp", "schedule", "measured idle ms", "simulated idle ms (ping-pong)", "relative difference",
+                  "ping-pong latency ms", "simulated idle ms (in-step)", "relative difference",
+                  "in-step latency ms", "rank 1 mean step ms"], rows)
 
 
 if __name__ == "__main__":

@@ -65,14 +65,6 @@ class StepClock:
         return timed
 
 
-def _time_waits(clock: StepClock) -> None:
-    """Time every blocking wait of our communicator (a receive, the end-of-step wait for sends)."""
-    from megastrategy.pipeline import p2p
-
-    p2p.RecvHandle.wait = clock.wrap(p2p.RecvHandle.wait, "wait")
-    p2p.PipelineCommunicator.wait_all = clock.wrap(p2p.PipelineCommunicator.wait_all, "wait")
-
-
 class ExecutorTimeline:
     """Each executor step's start and end, the wait for its message (if any), and when each pipeline
     message was posted, keyed ``(direction, microbatch, receiving stage)``. ``perf_counter`` is the
@@ -127,7 +119,7 @@ class ExecutorTimeline:
     def take(self, run_start: float, run_end: float) -> dict:
         """This training step's record: the busy time of every executor step (see :func:`busy_times`)
         and the messages; then start afresh."""
-        out = {"busy": busy_times(self.steps, run_start, run_end), "start": run_start, "steps": self.steps,
+        out = {"busy": busy_times(self.steps, run_start, run_end),
                "sent": [[*k, v] for k, v in self.sent.items()], "waited": [[*k, *v] for k, v in self.waited.items()]}
         self.steps, self.sent, self.waited = [], {}, {}
         return out
@@ -214,7 +206,6 @@ def ours_worker(rank: int, world: int, impl: str, m: int, mb: int, seq: int, ste
     latency = one_way_latency(rank, pp, xs[0].numel() * xs[0].element_size())
     clock = StepClock()
     _time_backwards(clock, split="ZB" in impl)
-    _time_waits(clock)
     line = ExecutorTimeline()
     line.install(rank)
 
@@ -344,7 +335,9 @@ def summarize(pp: int, m: int, impl: str, ranks: list[dict], ref: dict) -> dict:
         if in_step is not None:
             out["sim_idle_in_step_ms"] = [i * 1e3 for i in simulated_idle(pp, m, impl, ranks, in_step)]
         out["times_ms"] = {k: statistics.mean(t for rec in ranks[1]["records"] for t in rec["times"].get(k, [0.0])) * 1e3
-                           for k in (*COMPUTE, "wait")}
+                           for k in COMPUTE}
+        out["times_ms"]["wait"] = statistics.mean(  # per received message, from the timeline
+            t1 - t0 for rec in ranks[1]["records"] for *_, t0, t1 in rec["timeline"]["waited"]) * 1e3
     return out
 
 

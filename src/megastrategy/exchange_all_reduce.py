@@ -42,15 +42,15 @@ def exchange_all_reduce(t: Tensor, group, world: int, op: str = "sum", *, in_pla
     or (``in_place=False``) into a new tensor, leaving ``t`` as it was without copying it first."""
     rank, combine = dist.get_rank(group), _COMBINE[op]
     incoming = torch.empty_like(t)
-    result = t if in_place else None
+    result, owned = t, in_place  # owned: ``result`` may be written into
     step = 1
     while step < world:
         peer = rank ^ step
-        current = t if result is None else result
-        sent = dist.isend(current, group=group, group_dst=peer, tag=EXCHANGE_TAG)
+        sent = dist.isend(result, group=group, group_dst=peer, tag=EXCHANGE_TAG)
         received = dist.irecv(incoming, group=group, group_src=peer, tag=EXCHANGE_TAG)
         sent.wait()
         received.wait()
-        result = combine(current, incoming) if result is None else combine(result, incoming, out=result)
+        result = combine(result, incoming, out=result) if owned else combine(result, incoming)
+        owned = True
         step <<= 1
-    return t if result is None else result
+    return result

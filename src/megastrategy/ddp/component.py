@@ -22,8 +22,8 @@ format over the model's parameters, so :mod:`megastrategy.checkpoint` reshards i
 """
 from __future__ import annotations
 
-from contextlib import ExitStack
-from typing import Any, Callable, ContextManager, Iterable, Optional, Union
+from contextlib import ExitStack, contextmanager
+from typing import Any, Callable, ContextManager, Iterable, Iterator, Optional, Union
 
 import torch
 from torch import nn
@@ -93,16 +93,17 @@ class GradientBuffers(Component):
                 optimizer.wait_for_param_gather()
 
     # ------------------------------------------------------------------ optimizer step
-    def last_microbatch_context(self, backward_passes: int) -> ContextManager:
+    @contextmanager
+    def last_microbatch_context(self, backward_passes: int) -> Iterator[None]:
         """Around the closure of an optimizer step: overlapped reduction during its last backward
         pass(es), and ``.grad`` kept as a view of the buffer across a pipeline's microbatches."""
-        stack = ExitStack()
-        if self.buffer is not None:
-            if self.buffer.overlap_grad_reduce:
-                stack.enter_context(self.buffer.last_microbatch(backward_passes))
-            if backward_passes > 1:
-                stack.enter_context(self.buffer.gradient_views())
-        return stack
+        with ExitStack() as stack:
+            if self.buffer is not None:
+                if self.buffer.overlap_grad_reduce:
+                    stack.enter_context(self.buffer.last_microbatch(backward_passes))
+                if backward_passes > 1:
+                    stack.enter_context(self.buffer.gradient_views())
+            yield
 
     def finalize_grads(self) -> bool:
         """Reduce the accumulated gradients (or wait for the overlapped reductions); without the

@@ -25,6 +25,7 @@ from lightning.pytorch.strategies import DDPStrategy  # noqa: E402
 from torch.utils.data import DataLoader  # noqa: E402
 
 from tests.helpers.hf_zoo import VOCAB, tiny_model  # noqa: E402
+from tests.helpers.script_args import leave_without_static_destructors  # noqa: E402
 
 SEQ, BATCH, STEPS = 12, 4, 3
 
@@ -147,3 +148,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    leave_without_static_destructors()

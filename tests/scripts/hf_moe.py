@@ -20,7 +20,7 @@ import torch  # noqa: E402
 from lightning.pytorch.strategies import DDPStrategy  # noqa: E402
 from torch.utils.data import DataLoader  # noqa: E402
 
-from tests.helpers.script_args import layout_parser  # noqa: E402
+from tests.helpers.script_args import layout_parser, leave_without_static_destructors  # noqa: E402
 
 VOCAB, SEQ = 128, 16
 _SMALL = dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
@@ -101,3 +101,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    leave_without_static_destructors()

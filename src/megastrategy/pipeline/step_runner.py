@@ -254,6 +254,7 @@ class StepRunner:
                     f"{step.name} finished on pipeline stage {stage.pp_rank} chunk {chunk} without running its last "
                     f"block: the forward must run the blocks of {stage.stack_path} in order."
                 )
+            stage.refuse_marked_output((out, recorded))
             self._recorded[microbatch] = recorded
             outputs.append(out)
             return _as_loss(out, step.name) if step.training else _NOTHING()

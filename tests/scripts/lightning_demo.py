@@ -17,10 +17,11 @@ import lightning as L  # noqa: E402
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from lightning.pytorch.demos.transformer import Transformer  # noqa: E402
-from lightning.pytorch.strategies import DDPStrategy  # noqa: E402
 from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 
-from tests.helpers.script_args import layout_parser, leave_without_static_destructors  # noqa: E402
+from tests.helpers.script_args import (  # noqa: E402
+    layout_parser, leave_without_static_destructors, short_fit_trainer, step_losses_callback,
+)
 
 VOCAB, SEQ = 50, 16
 
@@ -47,31 +48,13 @@ class LightningTransformer(L.LightningModule):
         return torch.optim.SGD(self.model.parameters(), lr=0.1)
 
 
-class Losses(L.Callback):
-    def __init__(self) -> None:
-        self.losses: list[float] = []
-
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        self.losses.append(float(outputs["loss"]))
-
-
 def main() -> None:
     args = layout_parser().parse_args()
     L.seed_everything(0)
     ids = torch.randint(0, VOCAB, (32, SEQ + 1), generator=torch.Generator().manual_seed(0))
     data = TensorDataset(ids[:, :-1], ids[:, 1:])
-    if args.strategy == "ddp":
-        strategy = DDPStrategy()
-    else:
-        from megastrategy import MegatronStrategy
-
-        strategy = MegatronStrategy(tp=args.tp, pp=args.pp)
-    losses = Losses()
-    trainer = L.Trainer(
-        accelerator="cpu", devices=int(os.environ["WORLD_SIZE"]), strategy=strategy, max_steps=3, val_check_interval=3,
-        limit_val_batches=2, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-        enable_model_summary=False, callbacks=[losses],
-    )
+    losses = step_losses_callback()
+    trainer = short_fit_trainer(args, [losses], max_steps=3)
     trainer.fit(LightningTransformer(), DataLoader(data, batch_size=8), DataLoader(data, batch_size=8))
     if trainer.global_rank == 0:
         Path(args.out).write_text(json.dumps({"losses": losses.losses, "val_loss": float(trainer.callback_metrics["val_loss"])}))

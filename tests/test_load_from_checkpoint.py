@@ -1,0 +1,69 @@
+"""``MyModule.load_from_checkpoint(best_model_path)`` on a megastrategy checkpoint, in one plain
+process, gives what it gives on DDP's checkpoint of the same run: the hyper-parameters saved by
+``self.save_hyperparameters()``, the same weights (within 2e-4) in the user's original names and
+shapes, the same epoch and user keys. Lightning's own checkpoint files still load through Lightning.
+"""
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import megastrategy  # noqa: F401 - installs the loader
+from megastrategy.load_from_checkpoint import is_megastrategy_checkpoint, load_as_lightning_checkpoint
+from tests.helpers.habit_model import HabitBert
+from tests.helpers.habit_runs import FROZEN_EMBEDDINGS, FROZEN_LAYERS, habit_run
+from tests.helpers.launch import REPO
+
+TOL = 2e-4
+
+
+def _same_module(ours: HabitBert, ref: HabitBert) -> None:
+    assert dict(ours.hparams) == dict(ref.hparams)
+    mine, theirs = ours.state_dict(), ref.state_dict()
+    assert mine.keys() == theirs.keys()
+    for name, value in theirs.items():
+        assert mine[name].shape == value.shape and torch.allclose(mine[name], value, atol=TOL), name
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout, habits", [("tp2", FROZEN_EMBEDDINGS), ("pp2", FROZEN_LAYERS)])
+def test_the_best_checkpoint_loads_as_ddps_does(layout, habits):
+    (ours, _), (ref, _) = habit_run(layout, habits), habit_run("ddp", habits)
+    assert is_megastrategy_checkpoint(ours["best"]) and not is_megastrategy_checkpoint(ref["best"])
+    _same_module(HabitBert.load_from_checkpoint(ours["best"]), HabitBert.load_from_checkpoint(ref["best"]))
+    saved, theirs = load_as_lightning_checkpoint(ours["best"]), torch.load(ref["best"], weights_only=False)
+    assert (saved["epoch"], saved["global_step"]) == (theirs["epoch"], theirs["global_step"])
+    assert set(theirs) - set(saved) == {"optimizer_states"}  # load_from_checkpoint does not read them
+
+
+@pytest.mark.slow
+def test_it_loads_in_a_process_that_imports_megastrategy_before_lightning():
+    ours, _ = habit_run("tp2", FROZEN_EMBEDDINGS)
+    code = (
+        "import sys, megastrategy\n"
+        "assert 'lightning' not in sys.modules\n"
+        "from tests.helpers.habit_model import HabitBert\n"
+        f"m = HabitBert.load_from_checkpoint({ours['best']!r})\n"
+        "assert m.hparams.freeze_embeddings\n"
+    )
+    env = {"PYTHONPATH": f"{REPO}:{REPO / 'src'}", "OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"}
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert done.returncode == 0, done.stderr[-3000:]
+
+
+def test_only_a_checkpoint_directory_is_taken(tmp_path):
+    (tmp_path / "file.ckpt").write_bytes(b"")
+    assert not is_megastrategy_checkpoint(tmp_path / "file.ckpt") and not is_megastrategy_checkpoint(tmp_path)
+    assert not is_megastrategy_checkpoint(object()) and not is_megastrategy_checkpoint("https://x/y.ckpt")
+    (tmp_path / ".metadata").write_bytes(b"")
+    assert is_megastrategy_checkpoint(str(tmp_path))
+
+
+def test_lightnings_loader_is_wrapped_once_and_still_loads_files(tmp_path):
+    from lightning.pytorch.core import saving
+
+    megastrategy.load_from_checkpoint.install()  # a second install wraps nothing more
+    assert not hasattr(saving.pl_load.megastrategy_wraps, "megastrategy_wraps")
+    torch.save({"a": torch.ones(2)}, tmp_path / "plain.ckpt")
+    assert torch.equal(saving.pl_load(tmp_path / "plain.ckpt")["a"], torch.ones(2))

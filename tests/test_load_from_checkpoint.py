@@ -1,15 +1,19 @@
 """``MyModule.load_from_checkpoint(best_model_path)`` on a megastrategy checkpoint, in one plain
 process, gives what it gives on DDP's checkpoint of the same run: the hyper-parameters saved by
 ``self.save_hyperparameters()``, the same weights (within 2e-4) in the user's original names and
-shapes, the same epoch and user keys. Lightning's own checkpoint files still load through Lightning.
+shapes, the same epoch and user keys; ``trainer.validate(model, ckpt_path=...)`` on one plain device
+scores it as it was scored, and resuming ``fit`` from it there says to resume with MegatronStrategy.
+Lightning's own checkpoint files still load through Lightning.
 """
 import subprocess
 import sys
 
+import lightning as L
 import pytest
 import torch
 
 import megastrategy  # noqa: F401 - installs the loader
+from megastrategy.errors import MegatronCheckpointError
 from megastrategy.load_from_checkpoint import is_megastrategy_checkpoint, load_as_lightning_checkpoint
 from tests.helpers.habit_model import HabitBert
 from tests.helpers.habit_runs import FROZEN_EMBEDDINGS, FROZEN_LAYERS, habit_run
@@ -34,7 +38,18 @@ def test_the_best_checkpoint_loads_as_ddps_does(layout, habits):
     _same_module(HabitBert.load_from_checkpoint(ours["best"]), HabitBert.load_from_checkpoint(ref["best"]))
     saved, theirs = load_as_lightning_checkpoint(ours["best"]), torch.load(ref["best"], weights_only=False)
     assert (saved["epoch"], saved["global_step"]) == (theirs["epoch"], theirs["global_step"])
-    assert set(theirs) - set(saved) == {"optimizer_states"}  # load_from_checkpoint does not read them
+    assert set(theirs) <= set(saved)
+
+
+@pytest.mark.slow
+def test_a_plain_trainer_evaluates_it_and_refuses_to_resume_from_it_clearly():
+    ours, _ = habit_run("tp2", FROZEN_EMBEDDINGS)
+    trainer = L.Trainer(accelerator="cpu", devices=1, logger=False, enable_progress_bar=False, max_steps=20,
+                        enable_checkpointing=False)
+    validated = trainer.validate(HabitBert(freeze_embeddings=True), ckpt_path=ours["best"], verbose=False)
+    assert abs(validated[0]["val_loss"] - ours["best_score"]) <= TOL  # the score it was kept for
+    with pytest.raises(MegatronCheckpointError, match="Resume fit from it with strategy=MegatronStrategy"):
+        trainer.fit(HabitBert(freeze_embeddings=True), ckpt_path=ours["best"])
 
 
 @pytest.mark.slow
@@ -61,9 +76,11 @@ def test_only_a_checkpoint_directory_is_taken(tmp_path):
 
 
 def test_lightnings_loader_is_wrapped_once_and_still_loads_files(tmp_path):
+    from lightning.fabric.plugins.io import torch_io
     from lightning.pytorch.core import saving
 
     megastrategy.load_from_checkpoint.install()  # a second install wraps nothing more
-    assert not hasattr(saving.pl_load.megastrategy_wraps, "megastrategy_wraps")
     torch.save({"a": torch.ones(2)}, tmp_path / "plain.ckpt")
-    assert torch.equal(saving.pl_load(tmp_path / "plain.ckpt")["a"], torch.ones(2))
+    for reader in (saving, torch_io):
+        assert not hasattr(reader.pl_load.megastrategy_wraps, "megastrategy_wraps")
+        assert torch.equal(reader.pl_load(tmp_path / "plain.ckpt")["a"], torch.ones(2))

@@ -4,13 +4,17 @@ checkpoint, in one plain process, as users load a DDP checkpoint.
 A megastrategy checkpoint is a directory of DCP shards; Lightning's ``load_from_checkpoint`` reads
 its path through ``lightning.pytorch.core.saving.pl_load``, which opens it as one file, so the user
 got ``IsADirectoryError: [Errno 21] Is a directory`` and no hint of ``megastrategy consolidate``.
-``import megastrategy`` wraps that one name in that one module (:func:`install`): a local directory
+The same holds for ``trainer.validate/test/predict(model, ckpt_path=...)`` under another strategy
+(one device, DDP), which reads through ``lightning.fabric.plugins.io.torch_io.pl_load``.
+``import megastrategy`` wraps that one name in those two modules (:func:`install`): a local directory
 holding a megastrategy checkpoint is consolidated in this process into the dict a DDP checkpoint
 holds -- the user's original full ``state_dict`` and Lightning's saved part (hyper-parameters,
 epoch, loops, callbacks, the user's own keys) -- read as data only; every other path goes to
-Lightning's own loader unchanged. Optimizer states are left out: ``load_from_checkpoint`` does not
-read them. A process that never imports megastrategy still sees Lightning's error; for a single
-file to ship, ``megastrategy consolidate CKPT OUT.ckpt --lightning``. Outside the checkpoint package
+Lightning's own loader unchanged. The optimizer states stay in the shards, keyed by parameter name:
+resuming ``fit`` from the checkpoint under another strategy raises :class:`MegatronCheckpointError`
+saying to resume with ``MegatronStrategy`` (any layout, one device included). A process that never
+imports megastrategy still sees Lightning's error; for a single file to ship,
+``megastrategy consolidate CKPT OUT.ckpt --lightning``. Outside the checkpoint package
 on purpose: ``import megastrategy`` installs this without importing torch or Lightning.
 """
 from __future__ import annotations
@@ -22,7 +26,27 @@ from megastrategy.import_hooks import when_loaded
 
 __all__ = ["install", "is_megastrategy_checkpoint", "load_as_lightning_checkpoint"]
 
-SAVING = "lightning.pytorch.core.saving"
+#: Lightning's modules that read a checkpoint path through their own ``pl_load`` name
+READERS = ("lightning.pytorch.core.saving", "lightning.fabric.plugins.io.torch_io")
+
+
+class _OptimizerStatesElsewhere:
+    """``checkpoint["optimizer_states"]`` for a strategy that cannot read megastrategy's: using it says so."""
+
+    def __init__(self, path: Any) -> None:
+        self.path = path
+
+    def _refuse(self, *_: Any) -> Any:
+        from megastrategy.errors import MegatronCheckpointError
+
+        raise MegatronCheckpointError(
+            f"{self.path} is a megastrategy checkpoint: its optimizer states are sharded by parameter name, "
+            "which only MegatronStrategy reads. Resume fit from it with strategy=MegatronStrategy(...) (any "
+            "tp/pp/dp, tp=1, pp=1 on one device too), or load only the weights: MyModule.load_from_checkpoint(path), "
+            "trainer.validate/test/predict(model, ckpt_path=path)."
+        )
+
+    __iter__ = __len__ = __getitem__ = _refuse
 
 
 def is_megastrategy_checkpoint(path: Any) -> bool:
@@ -31,7 +55,7 @@ def is_megastrategy_checkpoint(path: Any) -> bool:
 
 
 def load_as_lightning_checkpoint(path: Any, map_location: Any = None) -> dict[str, Any]:
-    """The checkpoint dict DDP would have saved, less ``optimizer_states``; tensors on the CPU, or
+    """The checkpoint dict DDP would have saved (``optimizer_states`` refuses use); tensors on the CPU, or
     on ``map_location`` when that is a device (a callable or dict map keeps them on the CPU)."""
     import torch
 
@@ -42,7 +66,7 @@ def load_as_lightning_checkpoint(path: Any, map_location: Any = None) -> dict[st
     state_dict = load_full_model_state(path)
     if isinstance(map_location, (str, torch.device)):
         state_dict = {k: v.to(map_location) for k, v in state_dict.items()}
-    checkpoint["state_dict"] = state_dict
+    checkpoint["state_dict"], checkpoint["optimizer_states"] = state_dict, _OptimizerStatesElsewhere(path)
     return checkpoint
 
 
@@ -56,12 +80,13 @@ def _loader(lightning_load: Callable[..., Any]) -> Callable[..., Any]:
     return load
 
 
-def _wrap(saving: Any) -> None:
-    current = getattr(saving, "pl_load", None)
+def _wrap(reader: Any) -> None:
+    current = getattr(reader, "pl_load", None)
     if current is not None and not hasattr(current, "megastrategy_wraps"):
-        saving.pl_load = _loader(current)
+        reader.pl_load = _loader(current)
 
 
 def install() -> None:
-    """Wrap ``pl_load`` of ``lightning.pytorch.core.saving`` now, or when it loads (idempotent)."""
-    when_loaded(SAVING, _wrap, ready=lambda module: hasattr(module, "pl_load"))
+    """Wrap ``pl_load`` of each of :data:`READERS` now, or when it loads (idempotent)."""
+    for name in READERS:
+        when_loaded(name, _wrap, ready=lambda module: hasattr(module, "pl_load"))

@@ -2,11 +2,12 @@
 
 One launch per set of habits and layout of ``tests/scripts/user_habits.py`` (a Hugging Face BERT
 classifier fine-tuned as users write it, see tests/helpers/habit_model.py) against DDPStrategy on one
-process: per-step losses, every row of ``CSVLogger``'s metrics.csv (losses, per-loader validation
-losses, ``LearningRateMonitor``'s learning rates: the plateau halving, one-cycle, linear warm-up), the
-checkpoint ``ModelCheckpoint(monitor="val_loss")`` keeps, ``trainer.validate`` before ``fit`` and a
-second ``fit`` on the same Trainer. A stage holding nothing trainable is in tests/pipeline/test_frozen_stage.py,
-loading the best checkpoint with ``load_from_checkpoint`` in tests/test_load_from_checkpoint.py.
+process (two for the distributed optimizer at dp2): per-step losses, every row of ``CSVLogger``'s
+metrics.csv (losses, per-loader validation losses, ``LearningRateMonitor``'s learning rates: the
+plateau halving, one-cycle, linear warm-up), the checkpoint ``ModelCheckpoint(monitor="val_loss")``
+keeps, ``trainer.validate`` before ``fit`` and a second ``fit`` on the same Trainer. A stage holding
+nothing trainable is in tests/pipeline/test_frozen_stage.py, loading the best checkpoint with
+``load_from_checkpoint`` in tests/test_load_from_checkpoint.py.
 """
 import pytest
 
@@ -15,8 +16,8 @@ from tests.helpers.habit_runs import FROZEN_EMBEDDINGS, FROZEN_LAYERS, REFIT, ha
 TOL = 2e-4
 pytestmark = pytest.mark.slow
 
-CASES = {"frozen-embeddings-tp2": ("tp2", FROZEN_EMBEDDINGS), "frozen-layers-pp2": ("pp2", FROZEN_LAYERS),
-         "refit-pp2": ("pp2", REFIT)}
+CASES = {"frozen-embeddings-tp2": ("tp2", "ddp", FROZEN_EMBEDDINGS), "frozen-layers-pp2": ("pp2", "ddp", FROZEN_LAYERS),
+         "refit-pp2": ("pp2", "ddp", REFIT), "frozen-embeddings-dp2-zero": ("dp2-zero", "ddp2", FROZEN_EMBEDDINGS)}
 
 
 def _same_csv(ours: list[dict], ref: list[dict]) -> None:
@@ -31,8 +32,8 @@ def _same_csv(ours: list[dict], ref: list[dict]) -> None:
 
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_habits_give_ddps_losses_logs_and_best_checkpoint(case):
-    layout, habits = CASES[case]
-    (ours, _), (ref, _) = habit_run(layout, habits), habit_run("ddp", habits)
+    layout, reference, habits = CASES[case]
+    (ours, _), (ref, _) = habit_run(layout, habits), habit_run(reference, habits)
     assert ours["global_step"] == ref["global_step"] and len(ours["losses"]) == len(ref["losses"])
     assert max(abs(a - b) for a, b in zip(ours["losses"], ref["losses"])) <= TOL
     _same_csv(ours["csv"], ref["csv"])

@@ -2,7 +2,8 @@
 
 Every run trains ``HabitBert`` (tests/helpers/habit_model.py) 13 steps (6 per epoch: ``max_steps``
 stops mid-epoch 2, validation every half epoch on two loaders) and keeps the best checkpoint by
-``val_loss``; Lightning's ``DDPStrategy`` on one process is the reference for each set of habits.
+``val_loss``; Lightning's ``DDPStrategy`` on as many processes as the layout has data-parallel
+replicas is the reference for each set of habits.
 """
 from __future__ import annotations
 
@@ -24,7 +25,8 @@ REFIT = ("--param-groups", "--scheduler", "linear", "--validate-first", "--fit-t
 FROZEN_FIRST_STAGE = ("--freeze-embeddings", "--freeze-layers", "2")
 
 LAYOUTS = {"ddp": (1, ("--strategy", "ddp")), "tp2": (2, ("--strategy", "megatron", "--tp", "2")),
-           "pp2": (2, ("--strategy", "megatron", "--pp", "2"))}
+           "pp2": (2, ("--strategy", "megatron", "--pp", "2")), "ddp2": (2, ("--strategy", "ddp")),
+           "dp2-zero": (2, ("--strategy", "megatron", "--zero"))}  # the distributed optimizer needs dp > 1
 
 
 @functools.lru_cache(maxsize=None)

@@ -52,6 +52,7 @@ def _args():
     p.add_argument("--clip", default="none", choices=["none", "value", "norm"])
     p.add_argument("--max-steps", type=int, default=13)
     p.add_argument("--validate-first", action="store_true")
+    p.add_argument("--zero", action="store_true", help="MegatronStrategy(use_distributed_optimizer=True)")
     p.add_argument("--fit-twice", action="store_true", help="a second fit on the same Trainer, max_steps raised")
     return p.parse_args()
 
@@ -81,7 +82,7 @@ def main() -> None:
     else:
         from megastrategy import MegatronStrategy
 
-        strategy = MegatronStrategy(tp=args.tp, pp=args.pp)
+        strategy = MegatronStrategy(tp=args.tp, pp=args.pp, use_distributed_optimizer=args.zero)
     steps = StepLosses()
     trainer = _trainer(args, strategy, steps)
     validated = trainer.validate(module, verbose=False) if args.validate_first else None

@@ -67,6 +67,26 @@ def test_it_loads_in_a_process_that_imports_megastrategy_before_lightning():
     assert done.returncode == 0, done.stderr[-3000:]
 
 
+@pytest.mark.parametrize("with_optimizer", [True, False])
+def test_optimizer_states_are_there_only_if_saved_and_refuse_use(tmp_path, with_optimizer):
+    from megastrategy.checkpoint.sharded import save_sharded
+
+    model = torch.nn.Linear(3, 2)
+    opt = torch.optim.AdamW(model.parameters())
+    model(torch.randn(1, 3)).sum().backward()
+    opt.step()
+    with pytest.warns(UserWarning, match="single process"):  # DCP without a process group says so
+        save_sharded(tmp_path, module=model, optimizers=[opt] if with_optimizer else None,
+                     lightning={"epoch": 2, "hyper_parameters": {"lr": 0.1}})
+    checkpoint = load_as_lightning_checkpoint(tmp_path, map_location="cpu")
+    assert checkpoint["epoch"] == 2 and checkpoint["hyper_parameters"] == {"lr": 0.1}
+    assert all(torch.equal(checkpoint["state_dict"][k], v) for k, v in model.state_dict().items())
+    assert ("optimizer_states" in checkpoint) == with_optimizer  # save_weights_only=True saves none
+    if with_optimizer:
+        with pytest.raises(MegatronCheckpointError, match="only MegatronStrategy reads"):
+            list(checkpoint["optimizer_states"])
+
+
 def test_only_a_checkpoint_directory_is_taken(tmp_path):
     (tmp_path / "file.ckpt").write_bytes(b"")
     assert not is_megastrategy_checkpoint(tmp_path / "file.ckpt") and not is_megastrategy_checkpoint(tmp_path)

@@ -55,18 +55,23 @@ def is_megastrategy_checkpoint(path: Any) -> bool:
 
 
 def load_as_lightning_checkpoint(path: Any, map_location: Any = None) -> dict[str, Any]:
-    """The checkpoint dict DDP would have saved (``optimizer_states`` refuses use); tensors on the CPU, or
+    """The checkpoint dict DDP would have saved (``optimizer_states``, if saved, refuses use); tensors on the CPU, or
     on ``map_location`` when that is a device (a callable or dict map keeps them on the CPU)."""
     import torch
 
-    from megastrategy.checkpoint.sharded import load_full_model_state, read_info, read_lightning_metadata
+    from megastrategy.checkpoint.dcp_io import read_metadata
+    from megastrategy.checkpoint.sharded import (
+        load_full_model_state, optim_groups_key, read_info, read_lightning_metadata,
+    )
 
     read_info(path)  # a clear error for a DCP checkpoint that megastrategy did not write
     checkpoint = read_lightning_metadata(path)
     state_dict = load_full_model_state(path)
     if isinstance(map_location, (str, torch.device)):
         state_dict = {k: v.to(map_location) for k, v in state_dict.items()}
-    checkpoint["state_dict"], checkpoint["optimizer_states"] = state_dict, _OptimizerStatesElsewhere(path)
+    checkpoint["state_dict"] = state_dict
+    if optim_groups_key(0) in read_metadata(path).state_dict_metadata:  # not a save_weights_only checkpoint
+        checkpoint["optimizer_states"] = _OptimizerStatesElsewhere(path)
     return checkpoint
 
 

@@ -17,8 +17,10 @@ SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "user_habits.py"
 
 #: fine-tuning: frozen embeddings, ReduceLROnPlateau on val_loss, clipping by value
 FROZEN_EMBEDDINGS = ("--freeze-embeddings", "--scheduler", "plateau", "--clip", "value")
-#: the first two encoder layers frozen, optimizer over all parameters, OneCycleLR, clipping by norm
-FROZEN_LAYERS = ("--freeze-layers", "2", "--all-params", "--scheduler", "onecycle", "--clip", "norm")
+#: embeddings and the first two encoder layers frozen (at pp2 the whole first stage), the optimizer
+#: over all parameters (what the frozen-stage error proposes), OneCycleLR, clipping by norm
+FROZEN_LAYERS = ("--freeze-embeddings", "--freeze-layers", "2", "--all-params", "--scheduler", "onecycle",
+                 "--clip", "norm")
 #: two parameter groups, linear warm-up, trainer.validate before fit, fit twice on one Trainer
 REFIT = ("--param-groups", "--scheduler", "linear", "--validate-first", "--fit-twice")
 #: the whole first stage frozen (embeddings, layers 0-1) and the optimizer over the trainable ones

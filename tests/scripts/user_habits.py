@@ -41,6 +41,22 @@ class StepLosses(L.Callback):
         self.losses.append(float(outputs["loss"]))
 
 
+class FrozenDrift(L.Callback):
+    """How far each frozen parameter this rank holds (a TP shard too) moved during fit: zero, as under
+    DDP, where the optimizer skips them (no gradient, so no weight decay either)."""
+
+    def __init__(self):
+        self.before, self.drift = {}, {}
+
+    def on_train_start(self, trainer, pl_module):  # after the strategy sharded and cut the module
+        self.before = {n: p.detach().clone() for n, p in pl_module.named_parameters() if not p.requires_grad}
+
+    def on_train_end(self, trainer, pl_module):
+        for n, p in pl_module.named_parameters():
+            if n in self.before:
+                self.drift[n] = max(self.drift.get(n, 0.0), float((p.detach() - self.before[n]).abs().max()))
+
+
 def _args():
     p = layout_parser()
     p.add_argument("--dir", required=True, help="logs and checkpoints go here")
@@ -57,14 +73,14 @@ def _args():
     return p.parse_args()
 
 
-def _trainer(args, strategy, steps: StepLosses) -> L.Trainer:
+def _trainer(args, strategy, steps: StepLosses, drift: FrozenDrift) -> L.Trainer:
     clip = {} if args.clip == "none" else {"gradient_clip_val": 0.01 if args.clip == "value" else 0.5,
                                            "gradient_clip_algorithm": args.clip}
     return L.Trainer(
         accelerator="cpu", devices=int(os.environ["WORLD_SIZE"]), strategy=strategy, max_epochs=3,
         max_steps=args.max_steps, val_check_interval=0.5, num_sanity_val_steps=0, enable_progress_bar=False,
         enable_model_summary=False, logger=CSVLogger(args.dir, name="csv", version=0), log_every_n_steps=1,
-        callbacks=[steps, LearningRateMonitor(logging_interval="step"),
+        callbacks=[steps, drift, LearningRateMonitor(logging_interval="step"),
                    ModelCheckpoint(dirpath=Path(args.dir) / "ckpt", monitor="val_loss", save_top_k=1)],
         **clip,
     )
@@ -76,32 +92,28 @@ def main() -> None:
     L.seed_everything(7, verbose=False)
     module = HabitBert(freeze_embeddings=args.freeze_embeddings, freeze_layers=args.freeze_layers,
                        all_params=args.all_params, param_groups=args.param_groups, scheduler=args.scheduler)
-    frozen_before = {n: p.detach().clone() for n, p in module.named_parameters() if not p.requires_grad}
     if args.strategy == "ddp":
         strategy = DDPStrategy()
     else:
         from megastrategy import MegatronStrategy
 
         strategy = MegatronStrategy(tp=args.tp, pp=args.pp, use_distributed_optimizer=args.zero)
-    steps = StepLosses()
-    trainer = _trainer(args, strategy, steps)
+    steps, drift = StepLosses(), FrozenDrift()
+    trainer = _trainer(args, strategy, steps, drift)
     validated = trainer.validate(module, verbose=False) if args.validate_first else None
     trainer.fit(module)
     if args.fit_twice:
         trainer.fit_loop.max_epochs, trainer.fit_loop.epoch_loop.max_steps = 4, args.max_steps + 4
         trainer.fit(module)
     if trainer.is_global_zero:
-        _write(args, trainer, module, steps, validated, frozen_before)
+        _write(args, trainer, steps, validated, drift.drift)
     leave_without_static_destructors()
 
 
-def _write(args, trainer, module, steps, validated, frozen_before) -> None:
+def _write(args, trainer, steps, validated, drift) -> None:
     metrics_csv = Path(args.dir) / "csv" / "version_0" / "metrics.csv"
     with open(metrics_csv) as f:
         rows = list(csv.DictReader(f))
-    # the frozen weights this rank holds whole (replicated ones) must not have moved
-    drift = {n: float((p.detach() - frozen_before[n]).abs().max()) for n, p in module.named_parameters()
-             if n in frozen_before and p.shape == frozen_before[n].shape}
     best = trainer.checkpoint_callback.best_model_path
     Path(args.out).write_text(json.dumps({
         "losses": steps.losses, "csv": rows, "best": best, "best_score": float(trainer.checkpoint_callback.best_model_score),

@@ -8,7 +8,8 @@ loaders. The Trainer adds what users add: gradient clipping by value or norm, ``
 ``CSVLogger``, ``val_check_interval=0.5``, ``max_steps`` mid-epoch, ``ModelCheckpoint(monitor)``;
 optionally ``trainer.validate`` before ``fit`` and ``fit`` twice. Launched on N processes by
 tests/helpers/launch.py; rank 0 writes the step losses, metrics.csv rows, LR records, the best
-checkpoint's path and the frozen weights' drift to ``--out``.
+checkpoint's path, the L1 norm of its weights reloaded by ``HabitBert.load_from_checkpoint`` on rank 0
+alone, and the frozen weights' drift to ``--out``.
 """
 from __future__ import annotations
 
@@ -115,8 +116,11 @@ def _write(args, trainer, steps, validated, drift) -> None:
     with open(metrics_csv) as f:
         rows = list(csv.DictReader(f))
     best = trainer.checkpoint_callback.best_model_path
+    # rank 0 alone reloads the best model inside the job, as a script does after fit
+    best_weights_l1 = float(sum(t.abs().sum() for t in HabitBert.load_from_checkpoint(best).state_dict().values()))
     Path(args.out).write_text(json.dumps({
         "losses": steps.losses, "csv": rows, "best": best, "best_score": float(trainer.checkpoint_callback.best_model_score),
+        "best_weights_l1": best_weights_l1,
         "validate_first": validated, "frozen_drift": drift, "global_step": trainer.global_step,
         "final": {k: float(v) for k, v in trainer.callback_metrics.items()},
     }))

@@ -98,3 +98,12 @@ def test_logging_surface_under_tp_pp_matches_ddp(tmp_path):
     final, final_ref = ours["final_metrics"], ref["final_metrics"]
     assert final.keys() == final_ref.keys() and {"val_acc", "train_acc_epoch", "val_loss"} <= final.keys()
     assert all(abs(final[k] - final_ref[k]) < TOL for k in final), (final, final_ref)
+
+
+@pytest.mark.parametrize("layout", ["pp2", "pp2-vp2"])
+def test_a_frozen_tied_embedding_stays_frozen_like_ddps(layout):
+    """Fine-tuning habit: ``wte.requires_grad_(False)`` on a GPT whose head is tied to it. The copies
+    on the first and last stage have no gradient to sum; DDP trains the rest the same way."""
+    nprocs, dp, extra = LAYOUTS[layout]
+    _assert_same(_run("megatron", nprocs, "gpt", *extra, "--user-plan", "--freeze", "wte"),
+                 _run("ddp", dp, "gpt", "--freeze", "wte"))

@@ -92,13 +92,18 @@ class Pipeline(Component):
 
     def finalize_grads(self) -> bool:
         """Keep every stage's copy of a tied weight identical: sum the gradients of a tied embedding
-        over the first and last stage, and of a block applied on several stages over the pipeline."""
+        over the first and last stage, and of a block applied on several stages over the pipeline.
+        A frozen one (a fine-tuning habit: ``wte.requires_grad_(False)``) has no gradient on any stage."""
         if self._tied and self._embedding_group is not None:
-            for p in self._tied:
+            for p in filter(_trains, self._tied):
                 dist.all_reduce(p.main_grad, group=self._embedding_group)
-        for p in self._shared:
+        for p in filter(_trains, self._shared):
             dist.all_reduce(p.main_grad, group=self._pp_group)
         return True
+
+
+def _trains(p: nn.Parameter) -> bool:
+    return p.requires_grad
 
 
 def _refuse_what_stages_cannot_split(hf: Optional[nn.Module], pp: int) -> None:

@@ -100,6 +100,18 @@ class MetaStandIn(nn.Module):
             lambda t: torch.zeros(t.shape, dtype=t.dtype, device=device) if isinstance(t, torch.Tensor) else t, out
         )
 
+    def __getattr__(self, name: str) -> Any:
+        """What the user's forward reads off the module it replaced comes from the meta copy: the
+        same submodules and attributes, with meta tensors of the real shapes and dtypes. ViT's
+        forward reads ``self.embeddings.patch_embeddings.projection.weight.dtype`` on every stage."""
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            meta = self.__dict__.get("_meta")
+            if meta is None:
+                raise
+            return getattr(meta[0], name)
+
 
 class _NotFlat(Exception):
     pass

@@ -164,7 +164,7 @@ class _Detector:
         weight another embedding shares (an encoder-decoder's ``shared``), or whose class has its
         own ``forward`` (a scaled embedding), stays whole, and so does a head tied to it."""
         names = {id(m): n for n, m in self.modules.items() if self.full(n) not in self.covered}
-        emb, head = self.root.get_input_embeddings(), self.root.get_output_embeddings()
+        emb, head = _embeddings(self.root, "get_input_embeddings"), _embeddings(self.root, "get_output_embeddings")
         emb_ok = type(emb) is nn.Embedding and id(emb) in names and not self._shared_with_embeddings(emb)
         if emb_ok:
             self.units.append(BuiltinUnit(self.arch, "embedding", self.root_name, [(self.full(names[id(emb)]), "vocab", {})], origin="structural"))
@@ -174,6 +174,15 @@ class _Detector:
 
     def _shared_with_embeddings(self, emb: nn.Embedding) -> bool:
         return any(isinstance(m, nn.Embedding) and m is not emb and m.weight is emb.weight for m in self.modules.values())
+
+
+def _embeddings(root: nn.Module, getter: str) -> nn.Module | None:
+    """``root.get_input_embeddings()`` (or the output one); ``None`` for a model without token
+    embeddings (ConvNeXt, Wav2Vec2: transformers raises NotImplementedError)."""
+    try:
+        return getattr(root, getter)()
+    except (NotImplementedError, AttributeError):
+        return None
 
 
 def _watched(root: nn.Module) -> tuple[dict[str, nn.Module], set[str]]:

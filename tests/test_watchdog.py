@@ -117,10 +117,7 @@ def test_a_setup_error_every_rank_raises_reaches_every_rank_instead_of_ending_it
     """The block check refuses a plan on every rank, a little apart: the slower rank raises its own
     (catchable) error within the grace instead of being ended by the faster one's record."""
     store, exits = HashStore(), _Exits()
-    dogs = {r: FailureWatchdog(store, r, 2, describe_rank=lambda q: f"rank {q}", poll_interval=0.05,
-                               setup_grace=2.0, exit_process=exits.for_rank(r)) for r in (0, 1)}
-    for dog in dogs.values():
-        dog.start()
+    dogs = _starting_pair(store, exits, grace=2.0)
     dogs[1].report_failure(MegatronConfigErrorLike("refused plan"))
     time.sleep(0.5)
     dogs[0].report_failure(MegatronConfigErrorLike("refused plan"))
@@ -132,10 +129,7 @@ def test_a_setup_error_every_rank_raises_reaches_every_rank_instead_of_ending_it
 
 def test_a_rank_that_does_not_raise_in_setup_is_ended_after_the_grace():
     store, exits = HashStore(), _Exits()
-    dogs = {r: FailureWatchdog(store, r, 2, describe_rank=lambda q: f"rank {q}", poll_interval=0.05,
-                               setup_grace=0.5, exit_process=exits.for_rank(r)) for r in (0, 1)}
-    for dog in dogs.values():
-        dog.start()
+    dogs = _starting_pair(store, exits, grace=0.5)
     dogs[1].report_failure(RuntimeError("only here"))
     assert _wait(lambda: 0 in exits.codes)
     for dog in dogs.values():
@@ -144,3 +138,12 @@ def test_a_rank_that_does_not_raise_in_setup_is_ended_after_the_grace():
 
 class MegatronConfigErrorLike(Exception):
     pass
+
+
+def _starting_pair(store, exits, grace: float) -> dict:
+    """Two ranks still in setup (activity ``starting``), started."""
+    dogs = {r: FailureWatchdog(store, r, 2, describe_rank=lambda q: f"rank {q}", poll_interval=0.05,
+                               setup_grace=grace, exit_process=exits.for_rank(r)) for r in (0, 1)}
+    for dog in dogs.values():
+        dog.start()
+    return dogs

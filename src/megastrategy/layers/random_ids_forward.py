@@ -9,7 +9,7 @@ import math
 import torch
 from torch import nn
 
-__all__ = ["SEED", "forward_on_random_ids"]
+__all__ = ["SEED", "forward_on_random_ids", "random_main_input"]
 
 SEED = 20240613
 
@@ -25,7 +25,7 @@ def forward_on_random_ids(root: nn.Module) -> None:
     device = next(root.parameters()).device
     ids = torch.randint(3, max(vocab, 4), (2, 8), generator=gen).to(device)
     main = getattr(root, "main_input_name", "input_ids")
-    inputs = {main: _random_main_input(main, config, gen).to(device)} if main != "input_ids" else {"input_ids": ids}
+    inputs = {main: random_main_input(main, config, gen).to(device)} if main != "input_ids" else {"input_ids": ids}
     # an encoder-decoder (T5, BART, Whisper) runs its decoder on the ids
     extra = {"decoder_input_ids": ids} if getattr(config, "is_encoder_decoder", False) else {}
     with torch.no_grad():
@@ -35,7 +35,7 @@ def forward_on_random_ids(root: nn.Module) -> None:
             root(**inputs, **extra)
 
 
-def _random_main_input(name: str, config, gen: torch.Generator) -> torch.Tensor:
+def random_main_input(name: str, config, gen: torch.Generator) -> torch.Tensor:
     """Standard normal values shaped as the config says the model reads them: images of
     ``image_size`` (ViT, Swin, ConvNeXt), a waveform of 16 frames after the feature extractor's
     strides (Wav2Vec2), ``2 * max_source_positions`` mel frames (Whisper's encoder checks the length)."""

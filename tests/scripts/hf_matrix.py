@@ -3,7 +3,8 @@ the per-step training losses, the validation loss and the plan's sources to ``--
 
 Each model sits in an ordinary LightningModule whose ``forward`` passes ``labels=`` so the loss
 is computed inside the Hugging Face model. Launched by tests/helpers/launch.py:
-``--strategy ddp`` on one process (the one-device reference) or ``--strategy megatron --tp 2``.
+``--strategy ddp`` on one process (the one-device reference) or ``--strategy megatron --tp 2``
+(or ``--pp 2``). Inputs follow the task (tokens, pixels, a waveform, mel features).
 A model the strategy refuses (a clear ``MegatronConfigError`` on every rank in setup) is
 recorded with its message and the launch goes on with the next model.
 """

@@ -27,11 +27,11 @@ MORE = {
     "wav2vec2:audio": "structural:", "gptj:lm": "declared:", "codegen:lm": "declared:",
     "gemma3_text:lm": "declared:", "qwen2_moe:lm": "declared:", "llama-tied:lm": "declared:",
     "bert:tok": "auto:", "bert:qa": "auto:", "bert:mc": "auto:",
+    "mpt:lm": "structural:",  # ALiBi [heads, q, k] handed to every block: each rank reads its heads
+    "bloom:lm": "structural:",  # ALiBi [batch * heads, 1, k], likewise
 }
 #: refused in setup at tp=2 (the launch goes on): model -> what the message must say
 REFUSED_TP2 = {
-    "bloom:lm": "BloomAttention",  # ALiBi built for every head outside the block
-    "mpt:lm": "MptAttention",  # the position bias, likewise
     "swin:img": "SwinAttention",  # the relative position bias table of every head
     "gpt_bigcode:lm": "cannot tell how the packed projection",  # multi-query packing
 }
@@ -46,7 +46,7 @@ MODELS = (
     + ["whisper:asr"] + list(MORE)
 )
 #: refused at tp=2, trained at pp=2: model -> plan source (computed at tp=1 too)
-PP2_ONLY = {"bloom:lm": "structural:", "mpt:lm": "structural:", "gpt_bigcode:lm": "structural:"}
+PP2_ONLY = {"gpt_bigcode:lm": "structural:"}
 PP2_MODELS = list(MORE) + list(PP2_ONLY)
 TOL = 2e-4
 

@@ -16,7 +16,7 @@ cross-attention the query's and the memory's), none of whose outputs goes anywhe
   weights whole and sum their gradients over TP (``grad_sum``); attention dropout on the local
   heads runs on the per-TP-rank RNG stream. A per-head bias table (an ``nn.Embedding`` child as
   wide as the head count: T5's relative position bias) is ``head_table``, and an attention
-  taking a ``position_bias`` argument is ``head_bias_input`` (:mod:`megastrategy.layers.head_bias`).
+  taking a ``position_bias`` (T5, MPT) or ``alibi`` (Bloom) argument is ``head_bias_input`` (:mod:`megastrategy.layers.head_bias`).
   Cross-attention (q from the decoder, k/v from the encoder output) is two inputs, one region.
 * Otherwise it is an **MLP**: up (and gate) ``column``, down ``row``.
 
@@ -38,6 +38,8 @@ from megastrategy.naming import join_name, parent_name
 
 __all__ = ["structural_units"]
 
+#: attention arguments that carry a bias per head: T5's and MPT's ``position_bias``, Bloom's ``alibi``
+_BIAS_ARGUMENTS = ("position_bias", "alibi")
 _SPLIT_OPS = ("split", "chunk", "tensor_split", "split_with_sizes")
 _VIEW_OPS = ("view", "reshape", "unflatten")
 
@@ -154,9 +156,11 @@ class _Detector:
         tables = [(n, m.embedding_dim) for n, m in module.named_children()
                   if type(m) is nn.Embedding and m.embedding_dim in heads.values()]
         members = [(self.full(join_name(owner, n)), "head_table", {"heads": h}) for n, h in tables]
-        if "position_bias" in inspect.signature(module.forward).parameters:
+        params = inspect.signature(module.forward).parameters
+        no_alibi = getattr(getattr(self.root, "config", None), "alibi", True) is False  # Falcon's default
+        for kwarg in (k for k in _BIAS_ARGUMENTS if k in params and not (k == "alibi" and no_alibi)):
             h = tables[0][1] if tables else max(heads.values())
-            members.append((self.full(owner), "head_bias_input", {"heads": h, "bias_kwarg": "position_bias"}))
+            members.append((self.full(owner), "head_bias_input", {"heads": h, "bias_kwarg": kwarg}))
         return members
 
     def vocab(self) -> None:

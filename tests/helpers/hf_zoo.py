@@ -12,6 +12,7 @@ import transformers
 from transformers import (
     AutoConfig,
     AutoModelForAudioClassification,
+    AutoModelForCTC,
     AutoModelForCausalLM,
     AutoModelForImageClassification,
     AutoModelForMaskedLM,
@@ -96,7 +97,7 @@ _OWN_CONFIGS = {
                      drop_path_rate=0.0),
     "wav2vec2": dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
                      conv_dim=(16, 16), conv_stride=(5, 2), conv_kernel=(10, 3), num_conv_pos_embeddings=16,
-                     num_conv_pos_embedding_groups=4, classifier_proj_size=16, mask_time_prob=0.0,
+                     num_conv_pos_embedding_groups=4, classifier_proj_size=16, mask_time_prob=0.0, ctc_loss_reduction="mean",
                      mask_feature_prob=0.0, layerdrop=0.0, hidden_dropout=0.0, activation_dropout=0.0,
                      attention_dropout=0.0, feat_proj_dropout=0.0, final_dropout=0.0),
     "whisper": dict(vocab_size=VOCAB, d_model=32, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
@@ -114,7 +115,7 @@ TASK_ENCODERS = ("bert",)
 #: task -> the Auto class beyond lm/cls (tests/scripts/hf_matrix.py builds their batches)
 TASK_AUTO = {"tok": AutoModelForTokenClassification, "qa": AutoModelForQuestionAnswering,
              "mc": AutoModelForMultipleChoice, "img": AutoModelForImageClassification,
-             "audio": AutoModelForAudioClassification}
+             "audio": AutoModelForAudioClassification, "ctc": AutoModelForCTC}
 _DECODER_EXTRA = {
     "gemma3_text": dict(sliding_window=4, query_pre_attn_scalar=8),
     "qwen2_moe": dict(moe_intermediate_size=16, shared_expert_intermediate_size=32, num_experts=4,

@@ -24,7 +24,8 @@ STRUCTURAL_SEQ2SEQ = ("bart", "t5")
 #: tasks and architectures beyond causal/masked LM and sequence classification: model -> plan source
 MORE = {
     "vit:img": "structural:", "deit:img": "structural:", "convnext:img": "structural:",
-    "wav2vec2:audio": "structural:", "gptj:lm": "declared:", "codegen:lm": "declared:",
+    "wav2vec2:audio": "structural:", "wav2vec2:ctc": "structural:",
+    "gptj:lm": "declared:", "codegen:lm": "declared:",
     "gemma3_text:lm": "declared:", "qwen2_moe:lm": "declared:", "llama-tied:lm": "declared:",
     "bert:tok": "auto:", "bert:qa": "auto:", "bert:mc": "auto:",
     "mpt:lm": "structural:",  # ALiBi [heads, q, k] handed to every block: each rank reads its heads

@@ -66,6 +66,7 @@ _TASK_INPUTS = {
     "mc": {"input_ids": ((2, SEQ), VOCAB), "labels": ((), 2)},
     "img": {"pixel_values": ((3, 16, 16), None), "labels": ((), 3)},
     "audio": {"input_values": ((160,), None), "labels": ((), 3)},
+    "ctc": {"input_values": ((160,), None), "labels": ((5,), VOCAB)},  # 5 tokens for 15 frames
     "asr": {"input_features": ((8, 32), None), "labels": ((SEQ,), VOCAB)},
 }
 
@@ -74,7 +75,7 @@ def _task_tensors(task: str, n: int, g: torch.Generator) -> dict:
     """Integers in [3, high) for token ids ([0, high) for labels), standard normal floats otherwise."""
     out = {}
     for key, (shape, high) in _TASK_INPUTS.get(task, {}).items():
-        low = 3 if key == "input_ids" else 0
+        low = 3 if key == "input_ids" or task == "ctc" else 0  # CTC: no blank (pad id 0) among the labels
         out[key] = torch.randn((n, *shape), generator=g) if high is None else torch.randint(low, high, (n, *shape), generator=g)
     return out
 
@@ -168,7 +169,7 @@ def main() -> None:
     p.add_argument("--tp", type=int, default=1)
     p.add_argument("--pp", type=int, default=1)
     p.add_argument("--keep-going", action="store_true", help="record any exception and go on (probing)")
-    p.add_argument("--models", required=True, help="comma-separated arch:task, task in lm/mlm/cls/s2s/tok/qa/mc/img/audio/asr")
+    p.add_argument("--models", required=True, help="comma-separated arch:task, task in lm/mlm/cls/s2s/tok/qa/mc/img/audio/ctc/asr")
     args = p.parse_args()
     torch.set_num_threads(1)
     world_size, rank = int(os.environ["WORLD_SIZE"]), int(os.environ.get("RANK", "0"))

@@ -14,7 +14,7 @@ from pathlib import Path
 
 _TASKS = {"lm": "ForCausalLM", "mlm": "ForMaskedLM", "cls": "ForSequenceClassification", "s2s": "ForSeq2SeqLM",
           "tok": "ForTokenClassification", "qa": "ForQuestionAnswering", "mc": "ForMultipleChoice",
-          "img": "ForImageClassification", "audio": "ForAudioClassification", "asr": "ForSpeechSeq2Seq"}
+          "img": "ForImageClassification", "audio": "ForAudioClassification", "ctc": "ForCTC", "asr": "ForSpeechSeq2Seq"}
 
 
 def _refusal(error: str) -> str:

@@ -97,3 +97,53 @@ def test_a_rank_that_finished_is_not_mistaken_for_a_dead_one():
     time.sleep(1.0)
     assert exits.codes == {}
     dogs[0].stop()
+
+
+def test_a_failed_earlier_fit_does_not_stop_the_next_one():
+    """A fit whose setup error the user caught leaves its record; the next fit's watchdogs (a new
+    namespace, as megastrategy.runtime.watchdog numbers the fits) must not read it."""
+    store, exits = HashStore(), _Exits()
+    FailureWatchdog(store, 1, 2, describe_rank=lambda q: f"rank {q}", namespace="ms/fit0",
+                    exit_process=exits.for_rank(1)).report_failure(ValueError("refused plan"))
+    dog = FailureWatchdog(store, 0, 2, describe_rank=lambda q: f"rank {q}", poll_interval=0.05,
+                          namespace="ms/fit1", exit_process=exits.for_rank(0))
+    dog.start()
+    time.sleep(0.5)
+    assert exits.codes == {} and dog.failure is None
+    dog.stop()
+
+
+def test_a_setup_error_every_rank_raises_reaches_every_rank_instead_of_ending_it():
+    """The block check refuses a plan on every rank, a little apart: the slower rank raises its own
+    (catchable) error within the grace instead of being ended by the faster one's record."""
+    store, exits = HashStore(), _Exits()
+    dogs = _starting_pair(store, exits, grace=2.0)
+    dogs[1].report_failure(MegatronConfigErrorLike("refused plan"))
+    time.sleep(0.5)
+    dogs[0].report_failure(MegatronConfigErrorLike("refused plan"))
+    time.sleep(0.3)
+    assert exits.codes == {}
+    for dog in dogs.values():
+        dog.stop()
+
+
+def test_a_rank_that_does_not_raise_in_setup_is_ended_after_the_grace():
+    store, exits = HashStore(), _Exits()
+    dogs = _starting_pair(store, exits, grace=0.5)
+    dogs[1].report_failure(RuntimeError("only here"))
+    assert _wait(lambda: 0 in exits.codes)
+    for dog in dogs.values():
+        dog.stop()
+
+
+class MegatronConfigErrorLike(Exception):
+    pass
+
+
+def _starting_pair(store, exits, grace: float) -> dict:
+    """Two ranks still in setup (activity ``starting``), started."""
+    dogs = {r: FailureWatchdog(store, r, 2, describe_rank=lambda q: f"rank {q}", poll_interval=0.05,
+                               setup_grace=grace, exit_process=exits.for_rank(r)) for r in (0, 1)}
+    for dog in dogs.values():
+        dog.start()
+    return dogs

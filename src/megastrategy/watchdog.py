@@ -9,6 +9,12 @@ nobody. Every rank therefore runs a small thread that talks through the job's re
   process, so the whole job stops within seconds;
 - a rank that dies without a word (SIGKILL, segfault) stops its heartbeat; a peer notices after
   ``heartbeat_timeout`` seconds and writes the failure record for it.
+
+Keys live under a per-fit ``namespace``: a record left by a fit that failed (and whose error the
+user caught) must not stop the next fit in the same processes. A failure while ``starting``
+(setup: a plan the block check refuses) is usually raised by every rank; a peer gives its own
+main thread ``setup_grace`` seconds to raise it too, so that every rank gets the exception
+instead of being ended.
 """
 from __future__ import annotations
 
@@ -18,16 +24,21 @@ import threading
 import time
 from typing import Callable, Optional
 
-FAILURE_KEY = "megastrategy/failure"
+NAMESPACE = "megastrategy"
 _DONE = "done"
+_STARTING = "starting"
 
 
-def _heartbeat_key(rank: int) -> str:
-    return f"megastrategy/heartbeat/{rank}"
+def _failure_key(namespace: str = NAMESPACE) -> str:
+    return f"{namespace}/failure"
 
 
-def _ack_key(rank: int) -> str:
-    return f"megastrategy/failure-read/{rank}"
+def _heartbeat_key(rank: int, namespace: str = NAMESPACE) -> str:
+    return f"{namespace}/heartbeat/{rank}"
+
+
+def _ack_key(rank: int, namespace: str = NAMESPACE) -> str:
+    return f"{namespace}/failure-read/{rank}"
 
 
 class FailureWatchdog:
@@ -40,6 +51,8 @@ class FailureWatchdog:
         poll_interval: seconds between heartbeats and checks.
         heartbeat_timeout: a peer silent this long is declared dead.
         exit_process: how to stop this process when a peer failed (tests replace it).
+        namespace: the prefix of every key (one per fit).
+        setup_grace: seconds a peer's failure while starting waits for this rank to raise too.
     """
 
     def __init__(
@@ -52,12 +65,15 @@ class FailureWatchdog:
         poll_interval: float = 0.5,
         heartbeat_timeout: float = 60.0,
         exit_process: Callable[[int], None] = os._exit,
+        namespace: str = NAMESPACE,
+        setup_grace: float = 5.0,
     ) -> None:
         self.store, self.rank, self.world_size = store, rank, world_size
         self.describe_rank = describe_rank
         self.poll_interval, self.heartbeat_timeout = poll_interval, heartbeat_timeout
         self._exit = exit_process
-        self.activity = "starting"
+        self.namespace, self.setup_grace = namespace, setup_grace
+        self.activity = _STARTING
         self._beats = 0
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
@@ -89,14 +105,14 @@ class FailureWatchdog:
             self._thread.join(timeout=5 * self.poll_interval)
             self._thread = None
         try:
-            self.store.set(_heartbeat_key(self.rank), _DONE)
+            self.store.set(_heartbeat_key(self.rank, self.namespace), _DONE)
         except Exception:  # noqa: BLE001 - the store may already be gone at shutdown
             pass
 
     def acknowledge(self) -> None:
         """Tell the store host that this rank has the failure record and is stopping."""
         try:
-            self.store.set(_ack_key(self.rank), "1")
+            self.store.set(_ack_key(self.rank, self.namespace), "1")
         except Exception:  # noqa: BLE001 - best effort
             pass
 
@@ -108,8 +124,8 @@ class FailureWatchdog:
         while waiting and time.monotonic() < deadline:
             for peer in list(waiting):
                 try:
-                    acked = self.store.check([_ack_key(peer)])
-                    done = self.store.check([_heartbeat_key(peer)]) and self.store.get(_heartbeat_key(peer)) == _DONE.encode()
+                    acked = self.store.check([_ack_key(peer, self.namespace)])
+                    done = self.store.check([_heartbeat_key(peer, self.namespace)]) and self.store.get(_heartbeat_key(peer, self.namespace)) == _DONE.encode()
                 except Exception:  # noqa: BLE001
                     return
                 if acked or done or peer in self._stale_peers():
@@ -132,8 +148,8 @@ class FailureWatchdog:
     # ------------------------------------------------------------------ internals
     def _publish(self, message: str) -> str:
         try:
-            if not self.store.check([FAILURE_KEY]):
-                self.store.compare_set(FAILURE_KEY, "", message)
+            if not self.store.check([_failure_key(self.namespace)]):
+                self.store.compare_set(_failure_key(self.namespace), "", message)
             current = self._read_failure()
             self.failure = current or message
             self.acknowledge()
@@ -143,15 +159,15 @@ class FailureWatchdog:
 
     def _read_failure(self) -> Optional[str]:
         try:
-            if self.store.check([FAILURE_KEY]):
-                return self.store.get(FAILURE_KEY).decode()
+            if self.store.check([_failure_key(self.namespace)]):
+                return self.store.get(_failure_key(self.namespace)).decode()
         except Exception:  # noqa: BLE001
             return None
         return None
 
     def _beat(self) -> None:
         self._beats += 1
-        self.store.set(_heartbeat_key(self.rank), f"{self._beats}|{self.activity}")
+        self.store.set(_heartbeat_key(self.rank, self.namespace), f"{self._beats}|{self.activity}")
 
     def _stale_peers(self) -> list[int]:
         now, stale = time.monotonic(), []
@@ -159,7 +175,7 @@ class FailureWatchdog:
             if peer == self.rank:
                 continue
             try:
-                value = self.store.get(_heartbeat_key(peer)) if self.store.check([_heartbeat_key(peer)]) else b""
+                value = self.store.get(_heartbeat_key(peer, self.namespace)) if self.store.check([_heartbeat_key(peer, self.namespace)]) else b""
             except Exception:  # noqa: BLE001
                 return []
             if value == _DONE.encode():
@@ -188,6 +204,16 @@ class FailureWatchdog:
             self.linger_until_acknowledged(timeout=self.heartbeat_timeout + 10)
         self._exit(1)
 
+    def _raised_here_too(self, found: str) -> bool:
+        """Whether this rank's main thread, given ``setup_grace`` after a peer failed while
+        starting, raised as well (then its exception reaches the user; nothing to stop)."""
+        if f" failed while {_STARTING}: " not in found:
+            return False
+        deadline = time.monotonic() + self.setup_grace
+        while self.failure is None and time.monotonic() < deadline and not self._stop.is_set():
+            time.sleep(self.poll_interval / 2)
+        return self.failure is not None or self._stop.is_set()
+
     def _run(self) -> None:
         store_lost_since: Optional[float] = None
         while not self._stop.wait(self.poll_interval):
@@ -200,6 +226,8 @@ class FailureWatchdog:
                     self._stop_here(f"{self.describe_rank(0)} (host of the rendezvous store) is gone")
                 continue
             found = self._read_failure()
+            if found and self.failure is None and self._raised_here_too(found):
+                continue
             if found and self.failure is None:
                 self.failure = found
                 self._stop_here(found)

@@ -11,10 +11,17 @@ import torch
 import transformers
 from transformers import (
     AutoConfig,
+    AutoModelForAudioClassification,
+    AutoModelForCTC,
     AutoModelForCausalLM,
+    AutoModelForImageClassification,
     AutoModelForMaskedLM,
+    AutoModelForMultipleChoice,
+    AutoModelForQuestionAnswering,
     AutoModelForSeq2SeqLM,
     AutoModelForSequenceClassification,
+    AutoModelForSpeechSeq2Seq,
+    AutoModelForTokenClassification,
 )
 
 VOCAB = 128
@@ -68,8 +75,65 @@ _EXTRA = {
 }
 
 
+#: decoders with their own config names (no shared base): hidden 32, 2 layers, 4 heads
+_OWN_DECODER_CONFIGS = {
+    "bloom": dict(hidden_size=32, n_layer=2, n_head=4, hidden_dropout=0.0, attention_dropout=0.0),
+    "gptj": dict(n_embd=32, n_layer=2, n_head=4, n_inner=64, rotary_dim=4, n_positions=64, resid_pdrop=0.0,
+                 embd_pdrop=0.0, attn_pdrop=0.0),
+    "codegen": dict(n_embd=32, n_layer=2, n_head=4, n_inner=64, rotary_dim=4, n_positions=64, n_ctx=64,
+                    resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0),
+    "gpt_bigcode": dict(n_embd=32, n_layer=2, n_head=4, n_inner=64, n_positions=64, multi_query=True, resid_pdrop=0.0,
+                        embd_pdrop=0.0, attn_pdrop=0.0),
+    "mpt": dict(d_model=32, n_heads=4, n_layers=2, expansion_ratio=2, max_seq_len=64, resid_pdrop=0.0, emb_pdrop=0.0,
+                attn_config=dict(alibi=False, attn_pdrop=0), norm_type="layernorm"),
+}
+#: vision and audio models (their own inputs: pixel_values, input_values, input_features)
+_OWN_CONFIGS = {
+    "vit": dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64, image_size=16,
+                patch_size=4, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0),
+    "swin": dict(embed_dim=16, depths=[1, 1], num_heads=[2, 4], window_size=2, image_size=16, patch_size=2,
+                 hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, drop_path_rate=0.0),
+    "convnext": dict(hidden_sizes=[16, 32], depths=[1, 1], num_stages=2, image_size=16, patch_size=2,
+                     drop_path_rate=0.0),
+    "wav2vec2": dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
+                     conv_dim=(16, 16), conv_stride=(5, 2), conv_kernel=(10, 3), num_conv_pos_embeddings=16,
+                     num_conv_pos_embedding_groups=4, classifier_proj_size=16, mask_time_prob=0.0, ctc_loss_reduction="mean",
+                     mask_feature_prob=0.0, layerdrop=0.0, hidden_dropout=0.0, activation_dropout=0.0,
+                     attention_dropout=0.0, feat_proj_dropout=0.0, final_dropout=0.0),
+    "whisper": dict(vocab_size=VOCAB, d_model=32, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
+                    decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64, num_mel_bins=8,
+                    max_source_positions=16, max_target_positions=64, dropout=0.0, attention_dropout=0.0,
+                    activation_dropout=0.0, pad_token_id=0, bos_token_id=1, eos_token_id=2, decoder_start_token_id=1,
+                    suppress_tokens=[], begin_suppress_tokens=[]),
+}
+# DeiT maps to two image classifiers: transformers picks by ``architectures`` (None fails)
+_OWN_CONFIGS["deit"] = dict(_OWN_CONFIGS["vit"], architectures=["DeiTForImageClassification"])
+#: one architecture, another setting: name -> (architecture, overrides)
+_VARIANTS = {"llama-tied": ("llama", dict(tie_word_embeddings=True))}
+#: encoders used for token-level tasks (tok, qa, mc) with the encoder base
+TASK_ENCODERS = ("bert",)
+#: task -> the Auto class beyond lm/cls (tests/scripts/hf_matrix.py builds their batches)
+TASK_AUTO = {"tok": AutoModelForTokenClassification, "qa": AutoModelForQuestionAnswering,
+             "mc": AutoModelForMultipleChoice, "img": AutoModelForImageClassification,
+             "audio": AutoModelForAudioClassification, "ctc": AutoModelForCTC}
+_DECODER_EXTRA = {
+    "gemma3_text": dict(sliding_window=4, query_pre_attn_scalar=8),
+    "qwen2_moe": dict(moe_intermediate_size=16, shared_expert_intermediate_size=32, num_experts=4,
+                      num_experts_per_tok=2),
+}
+
+
 def tiny_config(arch: str, **overrides):
-    base = _ENCODER if arch in ENCODERS else _SEQ2SEQ.get(arch, _DECODER)
+    if arch in _VARIANTS:
+        arch, extra = _VARIANTS[arch]
+        overrides = {**extra, **overrides}
+    if arch in _OWN_DECODER_CONFIGS or arch in _OWN_CONFIGS:
+        own = _OWN_DECODER_CONFIGS.get(arch) or _OWN_CONFIGS[arch]
+        common = dict(pad_token_id=0, bos_token_id=1, eos_token_id=2, vocab_size=VOCAB, tie_word_embeddings=False)
+        base = common if arch in _OWN_DECODER_CONFIGS else {}
+        return AutoConfig.for_model(arch, **{**base, **own, **overrides})
+    base = _ENCODER if arch in ENCODERS + TASK_ENCODERS else _SEQ2SEQ.get(arch, _DECODER)
+    base = {**base, **_DECODER_EXTRA.get(arch, {})}
     if arch == "falcon":  # head_dim is a read-only property of FalconConfig
         base = {k: v for k, v in base.items() if k != "head_dim"}
     return AutoConfig.for_model(arch, **{**base, **_EXTRA.get(arch, {}), **overrides})
@@ -77,15 +141,16 @@ def tiny_config(arch: str, **overrides):
 
 def tiny_model(arch: str, task: str = "lm", seed: int = 0, **overrides):
     """``task``: ``lm`` (causal LM for decoders, masked LM for encoders, seq2seq LM for
-    encoder-decoders) or ``cls`` (3 labels)."""
+    encoder-decoders and Whisper), ``cls`` (3 labels) or a task of ``TASK_AUTO``."""
     transformers.logging.set_verbosity_error()
     torch.manual_seed(seed)
     config = tiny_config(arch, **overrides)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        if task == "cls":
-            config.num_labels = 3
-            return AutoModelForSequenceClassification.from_config(config)
+        if task == "cls" or task in TASK_AUTO:
+            config.num_labels = 2 if task == "qa" else 3  # QA: a start and an end logit per token
+            return (TASK_AUTO.get(task) or AutoModelForSequenceClassification).from_config(config)
         auto = AutoModelForMaskedLM if arch in ENCODERS else AutoModelForCausalLM
         auto = AutoModelForSeq2SeqLM if arch in ENCODER_DECODERS else auto
+        auto = AutoModelForSpeechSeq2Seq if arch == "whisper" else auto
         return auto.from_config(config)

@@ -1,11 +1,12 @@
-"""The Hugging Face test matrix: tp=2 on two processes against one device (DDPStrategy on one
-process, same seed), every model trained a few steps in one launch per side.
+"""The Hugging Face test matrix: tp=2, and pp=2 for the tasks and architectures beyond the
+pipeline zoo (tests/pipeline/test_hf_stages.py), on two processes against one device
+(DDPStrategy on one process, same seed); every model trained a few steps in one launch per side.
 
 Per-step training losses and the validation loss must agree within 2e-4 for every model whose
-plan the strategy accepts (a refused plan stops the launch on every rank: those are tested in
-test_block_check.py). Set
-``HF_MATRIX_JSON=path`` to keep the results; ``tests/scripts/render_hf_matrix.py`` turns them
-into the README table.
+plan the strategy accepts; a model it refuses must be refused in setup with the expected reason,
+and the launch goes on with the next model (the block check's refusals are also tested in
+test_block_check.py). Set ``HF_MATRIX_JSON=path`` to keep the results;
+``tests/scripts/render_hf_matrix.py`` turns them into the README table.
 """
 from __future__ import annotations
 
@@ -16,42 +17,96 @@ from pathlib import Path
 import pytest
 
 from tests.helpers.hf_zoo import BUILTIN_DECODERS, DECLARED_DECODERS, ENCODERS, STRUCTURAL_DECODERS
+from tests.helpers.launch import run_script
 
 #: encoder-decoders sharded by structural detection
 STRUCTURAL_SEQ2SEQ = ("bart", "t5")
-from tests.helpers.launch import run_script
-
+#: tasks and architectures beyond causal/masked LM and sequence classification: model -> plan source
+MORE = {
+    "vit:img": "structural:", "deit:img": "structural:", "convnext:img": "structural:",
+    "wav2vec2:audio": "structural:", "wav2vec2:ctc": "structural:",
+    "gptj:lm": "declared:", "codegen:lm": "declared:",
+    "gemma3_text:lm": "declared:", "qwen2_moe:lm": "declared:", "llama-tied:lm": "declared:",
+    "bert:tok": "auto:", "bert:qa": "auto:", "bert:mc": "auto:",
+    "mpt:lm": "structural:",  # ALiBi [heads, q, k] handed to every block: each rank reads its heads
+    "bloom:lm": "structural:",  # ALiBi [batch * heads, 1, k], likewise
+}
+#: refused in setup at tp=2 (the launch goes on): model -> what the message must say
+REFUSED_TP2 = {
+    "swin:img": "SwinAttention",  # the relative position bias table of every head
+    "gpt_bigcode:lm": "cannot tell how the packed projection",  # multi-query packing
+}
+#: refused in setup at pp=2
+REFUSED_PP2 = {"swin:img": "input_dimensions=(4, 4)"}  # the loop halves it after each downsampling stage
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "hf_matrix.py"
 MODELS = (
     [f"{a}:lm" for a in DECLARED_DECODERS + BUILTIN_DECODERS + STRUCTURAL_DECODERS]
     + [f"{a}:mlm" for a in ENCODERS]
     + ["roberta:cls", "distilbert:cls", "albert:cls", "deberta-v2:cls", "modernbert:cls", "llama:cls"]
     + [f"{a}:s2s" for a in STRUCTURAL_SEQ2SEQ]
+    + ["whisper:asr"] + list(MORE)
 )
+#: refused at tp=2, trained at pp=2: model -> plan source (computed at tp=1 too)
+PP2_ONLY = {"gpt_bigcode:lm": "structural:"}
+PP2_MODELS = list(MORE) + list(PP2_ONLY)
 TOL = 2e-4
 
 
-def _run(strategy: str, nprocs: int, *extra: str) -> dict:
-    args = ["--strategy", strategy, "--models", ",".join(MODELS), *extra]
+def _run(strategy: str, nprocs: int, models: list[str], *extra: str) -> dict:
+    args = ["--strategy", strategy, "--models", ",".join(models), *extra]
     return run_script(SCRIPT, nprocs, args, timeout=900)
+
+
+def _reference() -> dict:
+    ref = _run("ddp", 1, MODELS + [m for m in PP2_MODELS if m not in MODELS])
+    assert all("error" not in r for r in ref.values()), {k: v for k, v in ref.items() if "error" in v}
+    return ref
+
+
+def _expected_source(model: str) -> str:
+    arch = model.split(":")[0]
+    if model in MORE or model in PP2_ONLY:
+        return {**MORE, **PP2_ONLY}[model]
+    structural = arch in STRUCTURAL_DECODERS + STRUCTURAL_SEQ2SEQ + ("whisper",)
+    return "declared:" if arch in DECLARED_DECODERS else "structural:" if structural else "auto:"
+
+
+def _worst_differences(got: dict, ref: dict, models: list[str]) -> dict:
+    worst = {}
+    for model in models:
+        assert "error" not in got[model], (model, got[model]["error"])
+        assert len(got[model]["loss"]) == len(ref[model]["loss"]) == 3
+        pairs = zip(got[model]["loss"] + [got[model]["val_loss"]], ref[model]["loss"] + [ref[model]["val_loss"]])
+        worst[model] = max(abs(a - b) for a, b in pairs)
+        sources = got[model]["sources"]
+        assert sources and all(s.startswith(_expected_source(model)) for s in sources), (model, sources)
+    return worst
+
+
+def _assert_refused(got: dict, refused: dict) -> None:
+    for model, reason in refused.items():
+        assert reason in got[model].get("error", ""), (model, got[model])
 
 
 @pytest.mark.slow
 def test_tp2_matches_one_device_for_every_model():
-    ref, tp2 = _run("ddp", 1), _run("megatron", 2, "--tp", "2")
+    ref, tp2 = _reference(), _run("megatron", 2, MODELS + list(REFUSED_TP2), "--tp", "2")
     if os.environ.get("HF_MATRIX_JSON"):
         Path(os.environ["HF_MATRIX_JSON"]).write_text(json.dumps({"ddp": ref, "tp2": tp2}, indent=1))
-    assert all("error" not in r for r in ref.values()), {k: v for k, v in ref.items() if "error" in v}
-    worst = {}
-    for model in MODELS:
-        got, want = tp2[model], ref[model]
-        assert "error" not in got, (model, got["error"])
-        assert len(got["loss"]) == len(want["loss"]) == 3
-        worst[model] = max(abs(a - b) for a, b in zip(got["loss"] + [got["val_loss"]], want["loss"] + [want["val_loss"]]))
-        arch = model.split(":")[0]
-        structural = arch in STRUCTURAL_DECODERS + STRUCTURAL_SEQ2SEQ
-        source = "declared:" if arch in DECLARED_DECODERS else "structural:" if structural else "auto:"
-        assert got["sources"] and all(s.startswith(source) for s in got["sources"]), (model, got["sources"])
+    worst = _worst_differences(tp2, ref, MODELS)
     bad = {m: w for m, w in worst.items() if not w <= TOL}
     assert not bad, f"tp=2 differs from one device beyond {TOL}: {bad}"
+    _assert_refused(tp2, REFUSED_TP2)
     assert len(worst) >= 12 + len(ENCODERS) + len(BUILTIN_DECODERS) + len(STRUCTURAL_DECODERS) + len(STRUCTURAL_SEQ2SEQ)
+
+
+@pytest.mark.slow
+def test_pp2_matches_one_device_for_more_tasks_and_architectures():
+    ref, pp2 = _reference(), _run("megatron", 2, PP2_MODELS + list(REFUSED_PP2), "--pp", "2")
+    if os.environ.get("HF_MATRIX_JSON"):
+        path = Path(os.environ["HF_MATRIX_JSON"]).with_suffix(".pp2.json")
+        path.write_text(json.dumps({"ddp": ref, "pp2": pp2}, indent=1))
+    worst = _worst_differences(pp2, ref, PP2_MODELS)
+    bad = {m: w for m, w in worst.items() if not w <= TOL}
+    assert not bad, f"pp=2 differs from one device beyond {TOL}: {bad}"
+    _assert_refused(pp2, REFUSED_PP2)

@@ -50,6 +50,25 @@ def test_bart_cross_attention_takes_q_from_the_decoder_and_k_v_from_the_encoder(
     assert fixups[(cross, "num_heads")] == (4, 2)
 
 
+@pytest.mark.parametrize("arch, task, block", [
+    ("vit", "img", "vit.layers.1"),  # random pixels: attention q/k/v/o and fc1/fc2
+    ("wav2vec2", "audio", "wav2vec2.encoder.layers.1"),  # a random waveform
+    ("convnext", "img", "convnext.encoder.stages.1.layers.0"),  # an MLP only, no token embeddings
+])
+def test_vision_and_audio_models_are_traced_on_their_own_inputs(arch, task, block):
+    got = _sharded(resolve_tp_plan(tiny_model(arch, task=task), None, 2))
+    styles = {n[len(block) + 1:]: style for n, (style, _, source) in got.items() if n.startswith(block + ".")}
+    assert all(source == f"structural:{arch}" for _, _, source in got.values())
+    assert sorted(styles.values()).count("row") == (1 if arch == "convnext" else 2), styles
+    assert "column" in styles.values()
+
+
+def test_whisper_is_traced_on_mel_features():
+    got = _sharded(resolve_tp_plan(tiny_model("whisper"), None, 2))
+    assert got["model.encoder.layers.0.self_attn.out_proj"][0] == "row"
+    assert got["model.decoder.layers.1.encoder_attn.k_proj"][0] == "column"
+
+
 def test_t5_relative_position_bias_follows_the_heads():
     got = _sharded(resolve_tp_plan(tiny_model("t5"), None, 2))
     attn = "encoder.block.0.layer.0.SelfAttention"

@@ -81,3 +81,19 @@ def test_the_dry_run_sees_every_architecture_of_the_pipeline_matrix():
         order = record_forward_order(module, path)
         assert order is not None and order.carried == (((1, "position_bias"),) if name == "t5-encoder" else ()), name
         assert len(order.stack_calls) == 4, (name, order.stack_calls)
+
+
+def test_a_vision_model_runs_on_random_pixels_and_swins_loop_state_refuses_a_cut():
+    """ViT's dummy inputs have no pixel_values: the dry run makes them. Swin's loop halves
+    ``input_dimensions`` after each downsampling stage, so no pipeline stage may start at stage 1;
+    a plain argument that stays the same (ViT has none that changes) refuses nothing."""
+    from megastrategy.pipeline.forward_order import loop_state_refusal
+    from tests.helpers.hf_zoo import tiny_model
+
+    _, vit_path, vit = _order(tiny_model("vit", task="img"))
+    assert vit.stack_calls == (0, 1) and vit.loop_state == ()
+    assert vit.called["model.vit.embeddings"] == {"before"} and vit.called["model.classifier"] == {"after"}
+    _, path, swin = _order(tiny_model("swin", task="img"))
+    assert swin.loop_state == ((1, "input_dimensions", (4, 4), (8, 8)),)
+    assert "block 1 of model.swin.encoder.layers" in loop_state_refusal(swin, path, [[[0]], [[1]]])
+    assert loop_state_refusal(swin, path, [[[0, 1]]]) is None and loop_state_refusal(vit, vit_path, [[[0]], [[1]]]) is None

@@ -48,3 +48,12 @@ def test_an_object_argument_is_never_remembered():
     for _ in range(3):
         stand_in(torch.zeros(2, 5, dtype=torch.long), extra=object())
     assert meta.runs == 3 and not stand_in._outputs
+
+
+def test_the_forward_can_read_the_replaced_modules_attributes():
+    """ViT's forward reads ``self.embeddings.patch_embeddings.projection.weight.dtype`` on every
+    stage: the stand-in answers from its meta copy (real shapes and dtypes, no memory)."""
+    stand_in, _ = _stand_in()
+    assert stand_in.table.weight.dtype == torch.float32 and stand_in.table.weight.shape == (50, 8)
+    assert stand_in.table.weight.is_meta and not list(stand_in.parameters())
+    assert stand_in.runs == 0

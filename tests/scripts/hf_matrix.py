@@ -3,7 +3,8 @@ the per-step training losses, the validation loss and the plan's sources to ``--
 
 Each model sits in an ordinary LightningModule whose ``forward`` passes ``labels=`` so the loss
 is computed inside the Hugging Face model. Launched by tests/helpers/launch.py:
-``--strategy ddp`` on one process (the one-device reference) or ``--strategy megatron --tp 2``.
+``--strategy ddp`` on one process (the one-device reference) or ``--strategy megatron --tp 2``
+(or ``--pp 2``). Inputs follow the task (tokens, pixels, a waveform, mel features).
 A model the strategy refuses (a clear ``MegatronConfigError`` on every rank in setup) is
 recorded with its message and the launch goes on with the next model.
 """
@@ -24,14 +25,16 @@ from lightning.pytorch.callbacks import Callback  # noqa: E402
 from lightning.pytorch.strategies import DDPStrategy  # noqa: E402
 from torch.utils.data import DataLoader  # noqa: E402
 
-from tests.helpers.hf_zoo import VOCAB, tiny_model  # noqa: E402
+from tests.helpers.hf_zoo import TASK_AUTO, VOCAB, tiny_model  # noqa: E402
 from tests.helpers.script_args import leave_without_static_destructors  # noqa: E402
 
 SEQ, BATCH, STEPS = 12, 4, 3
 
 
 class TokenBatches(torch.utils.data.Dataset):
-    """Random tokens; causal-LM and seq2seq labels = the tokens, masked-LM labels = 15% of them, classifier: 3 classes."""
+    """Random inputs and labels per task: causal-LM and seq2seq labels = the tokens, masked-LM labels =
+    15% of them, classifiers (sequence, token, image, audio): 3 classes, QA: start/end positions,
+    multiple choice: 2 choices, ASR (Whisper): 8 mel bins x 32 frames with token labels."""
 
     def __init__(self, n: int, task: str, seed: int):
         g = torch.Generator().manual_seed(seed)
@@ -39,6 +42,7 @@ class TokenBatches(torch.utils.data.Dataset):
         self.masked = torch.rand(n, SEQ, generator=g) < 0.15
         self.masked[:, 0] = True
         self.cls = torch.randint(0, 3, (n,), generator=g)
+        self.extra = _task_tensors(task, n, g)
         self.task = task
 
     def __len__(self):
@@ -46,11 +50,34 @@ class TokenBatches(torch.utils.data.Dataset):
 
     def __getitem__(self, i):
         ids = self.ids[i]
+        if self.task in _TASK_INPUTS:
+            return {k: v[i] for k, v in self.extra.items()}
         if self.task == "cls":
             return {"input_ids": ids, "labels": self.cls[i]}
         if self.task == "mlm":
             return {"input_ids": ids.masked_fill(self.masked[i], 4), "labels": ids.masked_fill(~self.masked[i], -100)}
         return {"input_ids": ids, "labels": ids}
+
+
+#: tasks whose examples are all drawn by ``_task_tensors``: name -> {key: (shape after n, high or None)}
+_TASK_INPUTS = {
+    "tok": {"input_ids": ((SEQ,), VOCAB), "labels": ((SEQ,), 3)},
+    "qa": {"input_ids": ((SEQ,), VOCAB), "start_positions": ((), SEQ), "end_positions": ((), SEQ)},
+    "mc": {"input_ids": ((2, SEQ), VOCAB), "labels": ((), 2)},
+    "img": {"pixel_values": ((3, 16, 16), None), "labels": ((), 3)},
+    "audio": {"input_values": ((160,), None), "labels": ((), 3)},
+    "ctc": {"input_values": ((160,), None), "labels": ((5,), VOCAB)},  # 5 tokens for 15 frames
+    "asr": {"input_features": ((8, 32), None), "labels": ((SEQ,), VOCAB)},
+}
+
+
+def _task_tensors(task: str, n: int, g: torch.Generator) -> dict:
+    """Integers in [3, high) for token ids ([0, high) for labels), standard normal floats otherwise."""
+    out = {}
+    for key, (shape, high) in _TASK_INPUTS.get(task, {}).items():
+        low = 3 if key == "input_ids" or task == "ctc" else 0  # CTC: no blank (pad id 0) among the labels
+        out[key] = torch.randn((n, *shape), generator=g) if high is None else torch.randint(low, high, (n, *shape), generator=g)
+    return out
 
 
 class HFModule(L.LightningModule):
@@ -59,10 +86,10 @@ class HFModule(L.LightningModule):
     def __init__(self, arch: str, task: str):
         super().__init__()
         self.task = task
-        self.model = tiny_model(arch, task="cls" if task == "cls" else "lm")
+        self.model = tiny_model(arch, task=task if task in ("cls", *TASK_AUTO) else "lm")
 
     def forward(self, batch):
-        return self.model(input_ids=batch["input_ids"], labels=batch["labels"])
+        return self.model(**batch)
 
     def training_step(self, batch, batch_idx):
         loss = self(batch).loss
@@ -88,11 +115,9 @@ class Recorder(Callback):
 
     def on_train_start(self, trainer, pl_module):
         component = getattr(trainer.strategy, "component", None)
-        if component is not None:
-            from megastrategy.layers.components import TensorParallel
-
-            plan = component(TensorParallel).plan
-            self.sources = sorted({e.source for e in plan.sharded})
+        tensor_parallel = component and component(_tensor_parallel_type())
+        if tensor_parallel is not None:
+            self.sources = sorted({e.source for e in tensor_parallel.plan.sharded})
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         self.losses.append(float(outputs["loss"]))
@@ -102,7 +127,14 @@ class Recorder(Callback):
             self.val_loss = float(trainer.callback_metrics["val_loss"])
 
 
-def train_one(arch: str, task: str, strategy_name: str, tp: int, world_size: int) -> dict:
+def _tensor_parallel_type():
+    from megastrategy.layers.components import TensorParallel
+
+    return TensorParallel
+
+
+def train_one(arch: str, task: str, strategy_name: str, tp: int, pp: int, world_size: int,
+              keep_going: bool = False) -> dict:
     from megastrategy.errors import MegatronConfigError
 
     L.seed_everything(0, verbose=False)
@@ -112,7 +144,7 @@ def train_one(arch: str, task: str, strategy_name: str, tp: int, world_size: int
     else:
         from megastrategy import MegatronStrategy
 
-        strategy = MegatronStrategy(tp=tp)
+        strategy = MegatronStrategy(tp=tp, pp=pp)
     rec = Recorder()
     trainer = L.Trainer(
         accelerator="cpu", devices=world_size, strategy=strategy, max_epochs=1,
@@ -123,6 +155,10 @@ def train_one(arch: str, task: str, strategy_name: str, tp: int, world_size: int
         trainer.fit(module)
     except MegatronConfigError as e:
         return {"error": str(e)}
+    except Exception as e:  # noqa: BLE001 - only with --keep-going (probing): a crash is recorded, not raised
+        if not keep_going:
+            raise
+        return {"crash": f"{type(e).__name__}: {e}"[:2000]}
     return {"loss": rec.losses, "val_loss": rec.val_loss, "sources": rec.sources}
 
 
@@ -131,7 +167,9 @@ def main() -> None:
     p.add_argument("--out", required=True)
     p.add_argument("--strategy", choices=["ddp", "megatron"], required=True)
     p.add_argument("--tp", type=int, default=1)
-    p.add_argument("--models", required=True, help="comma-separated arch:task, task in lm/mlm/cls/s2s")
+    p.add_argument("--pp", type=int, default=1)
+    p.add_argument("--keep-going", action="store_true", help="record any exception and go on (probing)")
+    p.add_argument("--models", required=True, help="comma-separated arch:task, task in lm/mlm/cls/s2s/tok/qa/mc/img/audio/ctc/asr")
     args = p.parse_args()
     torch.set_num_threads(1)
     world_size, rank = int(os.environ["WORLD_SIZE"]), int(os.environ.get("RANK", "0"))
@@ -141,7 +179,9 @@ def main() -> None:
     for item in args.models.split(","):
         arch, task = item.split(":")
         os.environ.update(env)  # Lightning's teardown removes the launcher's variables
-        results[item] = train_one(arch, task, args.strategy, args.tp, world_size)
+        results[item] = train_one(arch, task, args.strategy, args.tp, args.pp, world_size, args.keep_going)
+        if rank == 0 and args.keep_going:  # what is done so far, should a later model stop the launch
+            Path(args.out).write_text(json.dumps(results, indent=1))
     if rank == 0:
         Path(args.out).write_text(json.dumps(results, indent=1))
 

@@ -47,16 +47,36 @@ def narrow_head_table(table: nn.Embedding, group, heads: int) -> nn.Embedding:
     return table
 
 
+def _narrow_heads(bias: Tensor, heads: int, batch: int | None, start: int, local: int) -> Tensor | None:
+    """``bias`` with only heads ``start .. start + local``, read where it holds all ``heads``:
+    dimension 1 of ``[batch, heads, q, k]`` (T5), dimension 0 of ``[heads, q, k]`` (MPT's ALiBi, the
+    same for every example), or ``[batch * heads, q, k]`` (Bloom's ALiBi, example-major); ``None``
+    when it does not hold them all (already local)."""
+    if bias.dim() >= 4:
+        return bias.narrow(1, start, local) if bias.shape[1] == heads else None
+    if bias.dim() != 3:
+        return None
+    if bias.shape[0] == heads:
+        return bias.narrow(0, start, local)
+    if batch is not None and batch > 1 and bias.shape[0] == batch * heads:
+        return bias.unflatten(0, (batch, heads)).narrow(1, start, local).flatten(0, 1)
+    return None
+
+
 def narrow_head_bias_input(attention: nn.Module, group, heads: int, kwarg: str) -> nn.Module:
-    """A ``kwarg`` tensor with all ``heads`` on dimension 1 is narrowed to this rank's heads."""
+    """A ``kwarg`` tensor with all ``heads`` (see :func:`_narrow_heads`) is narrowed to this rank's
+    heads; the batch size is read off the hidden states (the first argument)."""
     ref = ProcessGroupRef(group)
 
     def narrow(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
         bias = kwargs.get(kwarg)
-        if not isinstance(bias, Tensor) or bias.dim() < 2 or bias.shape[1] != heads:
+        if not isinstance(bias, Tensor):
             return None
+        hidden = args[0] if args else kwargs.get("hidden_states")
+        batch = hidden.shape[0] if isinstance(hidden, Tensor) and hidden.dim() > 0 else None
         start, local = _local(ref, heads)
-        return args, dict(kwargs, **{kwarg: bias.narrow(1, start, local)})
+        narrowed = _narrow_heads(bias, heads, batch, start, local)
+        return None if narrowed is None else (args, dict(kwargs, **{kwarg: narrowed}))
 
     attention.register_forward_pre_hook(narrow, with_kwargs=True)
     return attention

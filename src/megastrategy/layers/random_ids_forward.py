@@ -1,29 +1,52 @@
-"""One eval forward of a Hugging Face model on random token ids, the input that both setup-time
-block verification and structural plan detection feed a model whose real data is not known yet."""
+"""One eval forward of a Hugging Face model on random inputs (token ids for text models; pixels,
+a waveform or mel features for vision and audio models, by the model's ``main_input_name``), the
+input that both setup-time block verification and structural plan detection feed a model whose
+real data is not known yet."""
 from __future__ import annotations
+
+import math
 
 import torch
 from torch import nn
 
-__all__ = ["SEED", "forward_on_random_ids"]
+__all__ = ["SEED", "forward_on_random_ids", "random_main_input"]
 
 SEED = 20240613
 
 
 def forward_on_random_ids(root: nn.Module) -> None:
-    """``root(input_ids=...)`` on a [2, 8] batch from a private generator (the user's RNG streams
+    """``root(<main input>=...)`` on a batch of 2 from a private generator (the user's RNG streams
     are untouched), without a key/value cache where the model takes that argument; an
-    encoder-decoder gets the same ids as ``decoder_input_ids``."""
+    encoder-decoder gets random ids as ``decoder_input_ids``."""
     config = getattr(root, "config", None)
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    vocab = int(getattr(text, "vocab_size", 2))
+    vocab = int(getattr(text, "vocab_size", 2) or 2)
     gen = torch.Generator().manual_seed(SEED)
     device = next(root.parameters()).device
     ids = torch.randint(3, max(vocab, 4), (2, 8), generator=gen).to(device)
-    # an encoder-decoder (T5, BART) runs its decoder on the same ids
+    main = getattr(root, "main_input_name", "input_ids")
+    inputs = {main: random_main_input(main, config, gen).to(device)} if main != "input_ids" else {"input_ids": ids}
+    # an encoder-decoder (T5, BART, Whisper) runs its decoder on the ids
     extra = {"decoder_input_ids": ids} if getattr(config, "is_encoder_decoder", False) else {}
     with torch.no_grad():
         try:
-            root(input_ids=ids, use_cache=False, **extra)
+            root(**inputs, use_cache=False, **extra)
         except TypeError:  # a model without a cache argument
-            root(input_ids=ids, **extra)
+            root(**inputs, **extra)
+
+
+def random_main_input(name: str, config, gen: torch.Generator) -> torch.Tensor:
+    """Standard normal values shaped as the config says the model reads them: images of
+    ``image_size`` (ViT, Swin, ConvNeXt), a waveform of 16 frames after the feature extractor's
+    strides (Wav2Vec2), ``2 * max_source_positions`` mel frames (Whisper's encoder checks the length)."""
+    if name == "pixel_values":
+        size = getattr(config, "image_size", 224)
+        h, w = (size, size) if isinstance(size, int) else tuple(size)[-2:]
+        shape = (2, int(getattr(config, "num_channels", 3)), h, w)
+    elif name == "input_values":
+        shape = (2, 16 * math.prod(getattr(config, "conv_stride", (320,))))
+    elif name == "input_features":
+        shape = (2, int(config.num_mel_bins), 2 * int(config.max_source_positions))
+    else:
+        raise TypeError(f"no random input for a model whose main input is {name!r}")
+    return torch.randn(shape, generator=gen)

@@ -16,7 +16,7 @@ cross-attention the query's and the memory's), none of whose outputs goes anywhe
   weights whole and sum their gradients over TP (``grad_sum``); attention dropout on the local
   heads runs on the per-TP-rank RNG stream. A per-head bias table (an ``nn.Embedding`` child as
   wide as the head count: T5's relative position bias) is ``head_table``, and an attention
-  taking a ``position_bias`` argument is ``head_bias_input`` (:mod:`megastrategy.layers.head_bias`).
+  taking a ``position_bias`` (T5, MPT) or ``alibi`` (Bloom) argument is ``head_bias_input`` (:mod:`megastrategy.layers.head_bias`).
   Cross-attention (q from the decoder, k/v from the encoder output) is two inputs, one region.
 * Otherwise it is an **MLP**: up (and gate) ``column``, down ``row``.
 
@@ -38,6 +38,8 @@ from megastrategy.naming import join_name, parent_name
 
 __all__ = ["structural_units"]
 
+#: attention arguments that carry a bias per head: T5's and MPT's ``position_bias``, Bloom's ``alibi``
+_BIAS_ARGUMENTS = ("position_bias", "alibi")
 _SPLIT_OPS = ("split", "chunk", "tensor_split", "split_with_sizes")
 _VIEW_OPS = ("view", "reshape", "unflatten")
 
@@ -154,9 +156,11 @@ class _Detector:
         tables = [(n, m.embedding_dim) for n, m in module.named_children()
                   if type(m) is nn.Embedding and m.embedding_dim in heads.values()]
         members = [(self.full(join_name(owner, n)), "head_table", {"heads": h}) for n, h in tables]
-        if "position_bias" in inspect.signature(module.forward).parameters:
+        params = inspect.signature(module.forward).parameters
+        no_alibi = getattr(getattr(self.root, "config", None), "alibi", True) is False  # Falcon's default
+        for kwarg in (k for k in _BIAS_ARGUMENTS if k in params and not (k == "alibi" and no_alibi)):
             h = tables[0][1] if tables else max(heads.values())
-            members.append((self.full(owner), "head_bias_input", {"heads": h, "bias_kwarg": "position_bias"}))
+            members.append((self.full(owner), "head_bias_input", {"heads": h, "bias_kwarg": kwarg}))
         return members
 
     def vocab(self) -> None:
@@ -164,7 +168,7 @@ class _Detector:
         weight another embedding shares (an encoder-decoder's ``shared``), or whose class has its
         own ``forward`` (a scaled embedding), stays whole, and so does a head tied to it."""
         names = {id(m): n for n, m in self.modules.items() if self.full(n) not in self.covered}
-        emb, head = self.root.get_input_embeddings(), self.root.get_output_embeddings()
+        emb, head = _embeddings(self.root, "get_input_embeddings"), _embeddings(self.root, "get_output_embeddings")
         emb_ok = type(emb) is nn.Embedding and id(emb) in names and not self._shared_with_embeddings(emb)
         if emb_ok:
             self.units.append(BuiltinUnit(self.arch, "embedding", self.root_name, [(self.full(names[id(emb)]), "vocab", {})], origin="structural"))
@@ -174,6 +178,15 @@ class _Detector:
 
     def _shared_with_embeddings(self, emb: nn.Embedding) -> bool:
         return any(isinstance(m, nn.Embedding) and m is not emb and m.weight is emb.weight for m in self.modules.values())
+
+
+def _embeddings(root: nn.Module, getter: str) -> nn.Module | None:
+    """``root.get_input_embeddings()`` (or the output one); ``None`` for a model without token
+    embeddings (ConvNeXt, Wav2Vec2: transformers raises NotImplementedError)."""
+    try:
+        return getattr(root, getter)()
+    except (NotImplementedError, AttributeError):
+        return None
 
 
 def _watched(root: nn.Module) -> tuple[dict[str, nn.Module], set[str]]:

@@ -14,7 +14,7 @@ from megastrategy.anatomy import ModelAnatomy, find_hf_model
 from megastrategy.component import Component, SetupContext
 from megastrategy.config import MegatronConfig
 from megastrategy.errors import MegatronConfigError
-from megastrategy.pipeline.forward_order import ForwardOrder, record_forward_order
+from megastrategy.pipeline.forward_order import ForwardOrder, loop_state_refusal, record_forward_order
 from megastrategy.pipeline.layer_assignment import assign_layers
 from megastrategy.pipeline.schedule_choice import schedule_placement
 from megastrategy.pipeline.schedules import validate_schedule
@@ -48,8 +48,11 @@ class Pipeline(Component):
         _refuse_what_stages_cannot_split(find_hf_model(module)[1], self.pp)
         anatomy = ModelAnatomy.of(module, self.pipeline_layers)
         order = self._forward_order(module, anatomy.stack_path)
-        assign_layers(len(order.stack_calls) if order is not None else len(anatomy.stack), self.pp, self.vp,
-                      self.placement)
+        assignment = assign_layers(len(order.stack_calls) if order is not None else len(anatomy.stack), self.pp,
+                                   self.vp, self.placement)
+        refusal = loop_state_refusal(order, anatomy.stack_path, assignment)
+        if refusal is not None:
+            raise MegatronConfigError(f"pp={self.pp}: {refusal}")
         if self.schedule == "zb_v":
             check_zb_v(self.num_microbatches, self.pp)
         elif self.vp > 1:

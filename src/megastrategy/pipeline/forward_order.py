@@ -6,6 +6,13 @@ sharded, a parameter-free copy of the Hugging Face model on the meta device runs
 ``dummy_inputs``; hooks record, for every submodule, whether it ran before the first block,
 after the last block, or both, and which block each application of the stack called (ALBERT
 applies one shared block N times). Nothing real is computed and no random number is drawn.
+A vision or audio model, whose ``dummy_inputs`` lack its main input, gets a random one shaped
+from its config (:func:`megastrategy.layers.random_ids_forward.random_main_input`).
+
+The run also records the plain (non-tensor) arguments each application of the stack gets: one
+that differs from the first application's (Swin's ``input_dimensions``, halved after each
+downsampling stage) is computed by the forward's loop from the blocks before, which a later
+pipeline stage does not run, so no stage may start there (:func:`loop_state_refusal`).
 """
 from __future__ import annotations
 
@@ -18,8 +25,9 @@ import torch
 from torch import nn
 
 from megastrategy.anatomy import find_hf_model
+from megastrategy.layers.random_ids_forward import random_main_input
 
-__all__ = ["ForwardOrder", "block_outputs", "meta_copy", "record_forward_order"]
+__all__ = ["ForwardOrder", "block_outputs", "loop_state_refusal", "meta_copy", "record_forward_order"]
 
 
 @dataclass(frozen=True)
@@ -30,6 +38,8 @@ class ForwardOrder:
     stack_calls: tuple[int, ...]  # the block index of each application of the stack, in order
     carried: tuple[tuple[int, str], ...] = ()  # (output index, argument name): what a block takes from the
     # previous block's outputs besides the hidden state (output 0), e.g. T5's ``position_bias``
+    loop_state: tuple[tuple[int, str, Any, Any], ...] = ()  # (application, argument, its value, the
+    # first application's): plain arguments the forward's loop changes from block to block
 
     @property
     def reuses_blocks(self) -> bool:
@@ -58,6 +68,9 @@ def record_forward_order(module: nn.Module, stack_path: str) -> Optional[Forward
         accepted = inspect.signature(hf.forward).parameters
         inputs = {k: v.to("meta") if isinstance(v, torch.Tensor) else v for k, v in dict(hf.dummy_inputs).items()
                   if k in accepted}  # T5EncoderModel's dummy inputs include the decoder's
+        main = getattr(hf, "main_input_name", "input_ids")
+        if main not in inputs and main in accepted:  # pixels, a waveform, mel features
+            inputs[main] = random_main_input(main, hf.config, torch.Generator()).to("meta")
         if getattr(twin, "config", None) is not None:  # the copy's own config: no pad-token check reading values
             twin.config.pad_token_id = None
     except Exception:  # noqa: BLE001 - an uncopyable model keeps registration order
@@ -81,6 +94,7 @@ def _run(twin: nn.Module, inputs: dict, prefix: str, stack_rel: str) -> Optional
 
     handles = [m.register_forward_pre_hook(on_call(n)) for n, m in twin.named_modules() if n]
     carried = _watch_carried(stack, handles)
+    plain_args = _watch_plain_arguments(stack, handles)
     try:
         with torch.no_grad(), torch.random.fork_rng(devices=[]):
             twin(**inputs)
@@ -98,7 +112,8 @@ def _run(twin: nn.Module, inputs: dict, prefix: str, stack_rel: str) -> Optional
         for depth in range(1, len(parts) + 1):  # the module and every ancestor ran then
             if where is not None:
                 called.setdefault(prefix + ".".join(parts[:depth]), set()).add(where)
-    return ForwardOrder({k: frozenset(v) for k, v in called.items()}, tuple(stack_calls), tuple(sorted(carried)))
+    return ForwardOrder({k: frozenset(v) for k, v in called.items()}, tuple(stack_calls), tuple(sorted(carried)),
+                        _loop_state(plain_args))
 
 
 def block_outputs(output: Any) -> list:
@@ -108,6 +123,56 @@ def block_outputs(output: Any) -> list:
     return list(output) if isinstance(output, (tuple, list)) else [output]
 
 
+_PLAIN = (bool, int, float, str)
+
+
+def _is_plain(value: Any) -> bool:
+    """A number, a string, or a tuple/list of them (Swin's ``(height, width)``)."""
+    if isinstance(value, (tuple, list)):
+        return all(isinstance(v, _PLAIN) for v in value)
+    return isinstance(value, _PLAIN)
+
+
+def _named_arguments(block: nn.Module, args: tuple, kwargs: dict) -> list[tuple[str, Any]]:
+    params = list(inspect.signature(block.forward).parameters)
+    named = [(params[i] if i < len(params) else f"argument {i}", a) for i, a in enumerate(args)]
+    return named + list(kwargs.items())
+
+
+def _watch_plain_arguments(stack: nn.ModuleList, handles: list) -> list[dict[str, Any]]:
+    """Hooks that collect, per application of the stack, its plain arguments."""
+    seen: list[dict[str, Any]] = []
+
+    def before(block, args, kwargs):
+        seen.append({name: value for name, value in _named_arguments(block, args, kwargs) if _is_plain(value)})
+
+    for block in stack:
+        handles.append(block.register_forward_pre_hook(before, with_kwargs=True))
+    return seen
+
+
+def _loop_state(plain_args: list[dict[str, Any]]) -> tuple[tuple[int, str, Any, Any], ...]:
+    """The applications whose plain arguments differ from the first application's."""
+    first = plain_args[0] if plain_args else {}
+    return tuple((i, name, value, first[name]) for i, given in enumerate(plain_args[1:], start=1)
+                 for name, value in given.items() if name in first and value != first[name])
+
+
+def loop_state_refusal(order: Optional[ForwardOrder], stack_path: str, assignment: list[list[list[int]]]) -> Optional[str]:
+    """Why no pipeline stage may start where ``assignment`` starts one, or ``None``: the forward
+    hands the first block there a plain argument it computes from the blocks before."""
+    starts = {chunk[0] for rank_chunks in assignment for chunk in rank_chunks if chunk and chunk[0] > 0}
+    for application, name, value, first in order.loop_state if order is not None else ():
+        if application in starts:
+            return (
+                f"a pipeline stage would start at block {application} of {stack_path}, and the forward hands that "
+                f"block {name}={value!r} where it hands block 0 {name}={first!r}: it computes {name} in its loop from "
+                "the blocks before (a hierarchical model such as Swin, whose stages downsample), which that stage "
+                "does not run, so it would get the wrong value. Use pp=1 for this model."
+            )
+    return None
+
+
 def _watch_carried(stack: nn.ModuleList, handles: list) -> set[tuple[int, str]]:
     """Hooks that collect which of a block's outputs besides the hidden state the next block takes,
     and as which argument (T5's ``position_bias``): the stage boundary must carry them."""
@@ -115,9 +180,7 @@ def _watch_carried(stack: nn.ModuleList, handles: list) -> set[tuple[int, str]]:
     carried: set[tuple[int, str]] = set()
 
     def before(block, args, kwargs):
-        params = list(inspect.signature(block.forward).parameters)
-        named = [(params[i] if i < len(params) else f"argument {i}", a) for i, a in enumerate(args)]
-        named += list(kwargs.items())
+        named = _named_arguments(block, args, kwargs)
         carried.update((extra_outputs[id(v)], name) for name, v in named if isinstance(v, torch.Tensor) and id(v) in extra_outputs)
 
     def after(block, args, output):

@@ -102,6 +102,18 @@ class MetaStandIn(nn.Module):
         zeros = torch.zeros(like.shape, dtype=like.dtype, device=device)
         return mark(zeros, [self._name]) if marked else zeros
 
+    def __getattr__(self, name: str) -> Any:
+        """What the user's forward reads off the module it replaced comes from the meta copy: the
+        same submodules and attributes, with meta tensors of the real shapes and dtypes. ViT's
+        forward reads ``self.embeddings.patch_embeddings.projection.weight.dtype`` on every stage."""
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            meta = self.__dict__.get("_meta")
+            if meta is None:
+                raise
+            return getattr(meta[0], name)
+
 
 class _NotFlat(Exception):
     pass

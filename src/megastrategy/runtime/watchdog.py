@@ -2,16 +2,20 @@
 exist, told what the rank is doing, and asked to name the failing rank when a step raises."""
 from __future__ import annotations
 
+import itertools
 import logging
 from typing import Optional
 
 from megastrategy.component import Component, Environment
 from megastrategy.config import MegatronConfig
 from megastrategy.rank_zero import log_on_rank_zero
-from megastrategy.watchdog import FailureWatchdog
+from megastrategy.watchdog import NAMESPACE, FailureWatchdog
 
 log = logging.getLogger(__name__)
 
+#: numbers the fits of this process: every rank runs the same fits in the same order, so the
+#: n-th fit's keys match across ranks and a failed earlier fit's record is not read again
+_FITS = itertools.count()
 _LOST_PEER = ("Connection closed by peer", "Connection reset", "Broken pipe", "Socket closed")
 
 
@@ -43,7 +47,8 @@ class Watchdog(Component):
 
         self._rank = env.global_rank
         self.watchdog = FailureWatchdog(
-            store, env.global_rank, env.world_size, describe_rank=describe, heartbeat_timeout=self.heartbeat_timeout
+            store, env.global_rank, env.world_size, describe_rank=describe, heartbeat_timeout=self.heartbeat_timeout,
+            namespace=f"{NAMESPACE}/fit{next(_FITS)}",
         )
         self.watchdog.start()
 

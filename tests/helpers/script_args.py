@@ -61,3 +61,22 @@ def step_losses_callback():
             self.losses.append(float(outputs["loss"]))
 
     return StepLosses()
+
+
+def fit_and_report(args: argparse.Namespace, module, data, max_steps: int, extra=None) -> None:
+    """Fit ``module`` on ``data`` (batches of 8, the same data for validation) with
+    :func:`short_fit_trainer`; rank 0 writes the per-step losses, the validation loss and
+    ``extra(trainer)``'s items to ``args.out``; then leave (:func:`leave_without_static_destructors`)."""
+    import json
+    from pathlib import Path
+
+    from torch.utils.data import DataLoader
+
+    losses = step_losses_callback()
+    trainer = short_fit_trainer(args, [losses], max_steps=max_steps)
+    trainer.fit(module, DataLoader(data, batch_size=8), DataLoader(data, batch_size=8))
+    report = {"losses": losses.losses, "val_loss": float(trainer.callback_metrics["val_loss"])}
+    report.update(extra(trainer) if extra is not None else {})
+    if trainer.global_rank == 0:
+        Path(args.out).write_text(json.dumps(report))
+    leave_without_static_destructors()

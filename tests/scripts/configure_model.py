@@ -5,7 +5,6 @@ and the validation loss to ``--out``.
 """
 from __future__ import annotations
 
-import json
 import os
 import sys
 from pathlib import Path
@@ -15,14 +14,12 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import lightning as L  # noqa: E402
 import torch  # noqa: E402
-from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 
-from tests.helpers.script_args import (  # noqa: E402
-    layout_parser, leave_without_static_destructors, short_fit_trainer, step_losses_callback,
-)
+from tests.helpers.causal_lm_steps import CausalLMSteps, random_token_rows, tiny_llama_config  # noqa: E402
+from tests.helpers.script_args import fit_and_report, layout_parser  # noqa: E402
 
 
-class LateLlama(L.LightningModule):
+class LateLlama(CausalLMSteps):
     def __init__(self) -> None:
         super().__init__()
         self.model = None
@@ -30,38 +27,13 @@ class LateLlama(L.LightningModule):
     def configure_model(self) -> None:
         if self.model is not None:  # Lightning may call it again (fit, then validate)
             return
-        from transformers import AutoModelForCausalLM, LlamaConfig
+        from transformers import AutoModelForCausalLM
 
-        config = LlamaConfig(vocab_size=64, hidden_size=32, num_hidden_layers=4, num_attention_heads=4,
-                             num_key_value_heads=2, intermediate_size=64, max_position_embeddings=32)
         torch.manual_seed(0)
-        self.model = AutoModelForCausalLM.from_config(config)
-
-    def training_step(self, batch, batch_idx):
-        (ids,) = batch
-        loss = self.model(input_ids=ids, labels=ids).loss
-        self.log("train_loss", loss)
-        return loss
-
-    def validation_step(self, batch, batch_idx):
-        (ids,) = batch
-        self.log("val_loss", self.model(input_ids=ids, labels=ids).loss)
-
-    def configure_optimizers(self):
-        return torch.optim.AdamW(self.parameters(), lr=1e-2)
-
-
-def main() -> None:
-    args = layout_parser().parse_args()
-    L.seed_everything(0)
-    data = TensorDataset(torch.randint(0, 64, (64, 16), generator=torch.Generator().manual_seed(0)))
-    losses = step_losses_callback()
-    trainer = short_fit_trainer(args, [losses], max_steps=4)
-    trainer.fit(LateLlama(), DataLoader(data, batch_size=8), DataLoader(data, batch_size=8))
-    if trainer.global_rank == 0:
-        Path(args.out).write_text(json.dumps({"losses": losses.losses, "val_loss": float(trainer.callback_metrics["val_loss"])}))
-    leave_without_static_destructors()
+        self.model = AutoModelForCausalLM.from_config(tiny_llama_config())
 
 
 if __name__ == "__main__":
-    main()
+    args = layout_parser().parse_args()
+    L.seed_everything(0)
+    fit_and_report(args, LateLlama(), random_token_rows(), max_steps=4)

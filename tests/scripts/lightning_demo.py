@@ -5,7 +5,6 @@ rank 0 writes the per-step losses and the validation loss to ``--out``.
 """
 from __future__ import annotations
 
-import json
 import os
 import sys
 from pathlib import Path
@@ -17,11 +16,9 @@ import lightning as L  # noqa: E402
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from lightning.pytorch.demos.transformer import Transformer  # noqa: E402
-from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
+from torch.utils.data import TensorDataset  # noqa: E402
 
-from tests.helpers.script_args import (  # noqa: E402
-    layout_parser, leave_without_static_destructors, short_fit_trainer, step_losses_callback,
-)
+from tests.helpers.script_args import fit_and_report, layout_parser  # noqa: E402
 
 VOCAB, SEQ = 50, 16
 
@@ -48,18 +45,8 @@ class LightningTransformer(L.LightningModule):
         return torch.optim.SGD(self.model.parameters(), lr=0.1)
 
 
-def main() -> None:
+if __name__ == "__main__":
     args = layout_parser().parse_args()
     L.seed_everything(0)
     ids = torch.randint(0, VOCAB, (32, SEQ + 1), generator=torch.Generator().manual_seed(0))
-    data = TensorDataset(ids[:, :-1], ids[:, 1:])
-    losses = step_losses_callback()
-    trainer = short_fit_trainer(args, [losses], max_steps=3)
-    trainer.fit(LightningTransformer(), DataLoader(data, batch_size=8), DataLoader(data, batch_size=8))
-    if trainer.global_rank == 0:
-        Path(args.out).write_text(json.dumps({"losses": losses.losses, "val_loss": float(trainer.callback_metrics["val_loss"])}))
-    leave_without_static_destructors()
-
-
-if __name__ == "__main__":
-    main()
+    fit_and_report(args, LightningTransformer(), TensorDataset(ids[:, :-1], ids[:, 1:]), max_steps=3)

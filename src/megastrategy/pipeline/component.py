@@ -19,6 +19,7 @@ from megastrategy.pipeline.layer_assignment import assign_layers
 from megastrategy.pipeline.schedule_choice import schedule_placement
 from megastrategy.pipeline.schedules import validate_schedule
 from megastrategy.pipeline.zero_bubble_v import check_zb_v
+from megastrategy.pipeline.generation_guard import refuse_generation
 from megastrategy.pipeline.stage import cut_stage
 
 
@@ -87,6 +88,7 @@ class Pipeline(Component):
         shared = {id(p) for p in self._shared}
         self._tied = [p for p in ctx.stage.tied_parameters if id(p) not in shared]
         self._embedding_group, self._pp_group = ps.embedding_group, ps.pp_group
+        refuse_generation(module, self.pp)
 
     def on_fit_setup(self, module: nn.Module, ctx: SetupContext) -> None:
         # summed over stages after backward (finalize_grads): their buckets must not reduce early

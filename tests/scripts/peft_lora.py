@@ -27,6 +27,17 @@ class LoraLlama(CausalLMSteps):
 
         lora = LoraConfig(r=4, lora_alpha=8, target_modules=targets.split("+"), lora_dropout=0.0)
         self.model = get_peft_model(AutoModelForCausalLM.from_config(tiny_llama_config()), lora)
+        self.frozen_at_start: dict = {}
+
+    def on_train_start(self) -> None:
+        """The frozen parameters this rank holds once the strategy has cut and sharded the model."""
+        self.frozen_at_start = {n: p.detach().clone() for n, p in self.named_parameters() if not p.requires_grad}
+
+    def frozen_report(self, trainer: L.Trainer) -> dict:
+        """How many frozen parameters this rank holds, and how many of them training moved."""
+        held = dict(self.named_parameters())
+        moved = sum(not torch.equal(held[n], p) for n, p in self.frozen_at_start.items())
+        return {"base_moved": moved, "frozen_held": len(self.frozen_at_start)}
 
 
 if __name__ == "__main__":
@@ -35,12 +46,4 @@ if __name__ == "__main__":
     args = parser.parse_args()
     L.seed_everything(0)
     module = LoraLlama(args.targets)
-    frozen = {n: p.detach().clone() for n, p in module.named_parameters() if not p.requires_grad}
-
-    def frozen_report(trainer: L.Trainer) -> dict:
-        """How many frozen parameters this rank still holds, and how many of them moved."""
-        held = dict(module.named_parameters())
-        moved = sum(not torch.equal(held[n], p) for n, p in frozen.items() if n in held)
-        return {"base_moved": moved, "frozen_held": sum(n in held for n in frozen)}
-
-    fit_and_report(args, module, random_token_rows(), max_steps=4, extra=frozen_report)
+    fit_and_report(args, module, random_token_rows(), max_steps=4, extra=module.frozen_report)

@@ -7,11 +7,11 @@ stage's layers, so the files would be incomplete or shaped wrong and nothing wou
 model instead."""
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any
 
 from torch import nn
 
-from megastrategy.errors import MegatronConfigError
+from megastrategy.method_refusal import refuse_method
 
 __all__ = ["refuse_partial_save_pretrained", "sharding_of"]
 
@@ -24,20 +24,9 @@ def sharding_of(parallel_state: Any) -> str:
 
 def refuse_partial_save_pretrained(module: nn.Module, sharding: str) -> None:
     """Make ``save_pretrained`` of every Hugging Face (or PEFT) model in ``module`` raise."""
-    if not sharding:
-        return
-    for name, m in module.named_modules():
-        if callable(getattr(type(m), "save_pretrained", None)):
-            m.save_pretrained = _refusal(name or type(m).__name__, sharding)
-
-
-def _refusal(name: str, sharding: str) -> Callable[..., Any]:
-    def save_pretrained(*args: Any, **kwargs: Any) -> Any:
-        raise MegatronConfigError(
+    if sharding:
+        refuse_method(module, "save_pretrained", lambda name: (
             f"{name}.save_pretrained() with {sharding}: this rank holds only its share of the model, so the files "
             "would be incomplete. Write the whole model with trainer.strategy.export_hf('out_dir') (a collective: "
             "call it on every rank; from_pretrained loads the result), or save a checkpoint and run "
-            "`megastrategy export CKPT OUT --strip model.`."
-        )
-
-    return save_pretrained
+            "`megastrategy export CKPT OUT --strip model.`."))

@@ -23,6 +23,8 @@ FROZEN_LAYERS = ("--freeze-embeddings", "--freeze-layers", "2", "--all-params", 
                  "--clip", "norm")
 #: two parameter groups, linear warm-up, trainer.validate before fit, fit twice on one Trainer
 REFIT = ("--param-groups", "--scheduler", "linear", "--validate-first", "--fit-twice")
+#: gradual unfreezing: embeddings frozen, unfrozen at the start of epoch 1, clipping by norm
+UNFREEZE = ("--freeze-embeddings", "--all-params", "--unfreeze-epoch", "1", "--clip", "norm")
 #: the whole first stage frozen (embeddings, layers 0-1) and the optimizer over the trainable ones
 FROZEN_FIRST_STAGE = ("--freeze-embeddings", "--freeze-layers", "2")
 

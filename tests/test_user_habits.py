@@ -49,6 +49,16 @@ def test_habits_give_ddps_losses_logs_and_best_checkpoint(case):
     assert any(ours["frozen_drift"].values()) == ("--unfreeze-epoch" in habits)
 
 
+def test_unfrozen_parameters_are_averaged_over_data_parallel_replicas():
+    """At dp2 the parameters unfrozen mid-run are reduced with the rest: validation equals one process
+    with the same global batch. (Lightning's DDPStrategy on 2 processes does not: torch DDP's reducer
+    keeps the parameters that required grad when it wrapped the model, so those drift apart.)"""
+    ours, one = habit_run("dp2", UNFREEZE)[0], habit_run("ddp-batch8", UNFREEZE)[0]
+    mine, truth = ([(r["step"], float(r["val_loss"])) for r in run["csv"] if r["val_loss"]] for run in (ours, one))
+    assert len(mine) == len(truth) > 4 and [s for s, _ in mine] == [s for s, _ in truth]
+    assert max(abs(a - b) for (_, a), (_, b) in zip(mine, truth)) <= TOL
+
+
 def test_the_habits_did_what_they_say():
     """The reference runs exercise what the names promise (else a match would prove little)."""
     plateau = [float(r["lr-AdamW"]) for r in habit_run("ddp", FROZEN_EMBEDDINGS)[0]["csv"] if r["lr-AdamW"]]

@@ -30,7 +30,8 @@ FROZEN_FIRST_STAGE = ("--freeze-embeddings", "--freeze-layers", "2")
 
 LAYOUTS = {"ddp": (1, ("--strategy", "ddp")), "tp2": (2, ("--strategy", "megatron", "--tp", "2")),
            "pp2": (2, ("--strategy", "megatron", "--pp", "2")), "ddp2": (2, ("--strategy", "ddp")),
-           "dp2-zero": (2, ("--strategy", "megatron", "--zero"))}  # the distributed optimizer needs dp > 1
+           "dp2-zero": (2, ("--strategy", "megatron", "--zero")),  # the distributed optimizer needs dp > 1
+           "dp2": (2, ("--strategy", "megatron")), "ddp-batch8": (1, ("--strategy", "ddp", "--batch-size", "8"))}
 
 
 @functools.lru_cache(maxsize=None)

@@ -69,6 +69,7 @@ def _args():
     p.add_argument("--scheduler", default="none", choices=["none", "plateau", "onecycle", "linear"])
     p.add_argument("--clip", default="none", choices=["none", "value", "norm"])
     p.add_argument("--max-steps", type=int, default=13)
+    p.add_argument("--batch-size", type=int, default=4, help="per process")
     p.add_argument("--validate-first", action="store_true")
     p.add_argument("--zero", action="store_true", help="MegatronStrategy(use_distributed_optimizer=True)")
     p.add_argument("--fit-twice", action="store_true", help="a second fit on the same Trainer, max_steps raised")
@@ -92,7 +93,7 @@ def main() -> None:
     args = _args()
     torch.set_num_threads(1)
     L.seed_everything(7, verbose=False)
-    module = HabitBert(freeze_embeddings=args.freeze_embeddings, freeze_layers=args.freeze_layers,
+    module = HabitBert(batch_size=args.batch_size, freeze_embeddings=args.freeze_embeddings, freeze_layers=args.freeze_layers,
                        all_params=args.all_params, param_groups=args.param_groups, unfreeze_epoch=args.unfreeze_epoch, scheduler=args.scheduler)
     if args.strategy == "ddp":
         strategy = DDPStrategy()

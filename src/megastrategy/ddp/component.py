@@ -22,6 +22,7 @@ format over the model's parameters, so :mod:`megastrategy.checkpoint` reshards i
 """
 from __future__ import annotations
 
+import logging
 from contextlib import ExitStack, contextmanager
 from typing import Any, Callable, ContextManager, Iterable, Iterator, Optional, Union
 
@@ -38,11 +39,14 @@ from megastrategy.ddp.optimizer_wrapping import wrap_optimizers
 from megastrategy.ddp.trainable_set import refuse_change, trainable_change
 from megastrategy.errors import MegatronConfigError
 from megastrategy.layers.shard_spec import get_shard_spec
+from megastrategy.rank_zero import log_on_rank_zero
 from megastrategy.moe.integration import (
     clip_grad_norm_with_experts, dense_parameters, grad_norm_with_experts, is_expert_parameter,
 )
 
 __all__ = ["GradientBuffers", "grad_counts_here"]
+
+log = logging.getLogger(__name__)
 
 
 class GradientBuffers(Component):
@@ -98,6 +102,8 @@ class GradientBuffers(Component):
         old.remove()
         self.buffer = self._build(module)
         ctx.grad_buffers[ctx.grad_buffers.index(old)] = self.buffer
+        log_on_rank_zero(log, logging.INFO, f"megastrategy: requires_grad changed during fit ({len(unfrozen)} "
+                         f"parameter(s) unfrozen, {len(frozen)} frozen): gradient buffer rebuilt")
 
     def wrap_optimizers(self, optimizers: list) -> list:
         with_experts = self._ctx is not None and self._ctx.num_moe_layers > 0

@@ -16,7 +16,7 @@ from tests.helpers.models import SEQ, VOCAB, TokenDataset
 
 class HabitBert(L.LightningModule):
     def __init__(self, freeze_embeddings: bool = False, freeze_layers: int = 0, all_params: bool = False,
-                 scheduler: str = "none", param_groups: bool = False, lr: float = 1e-3, n_layer: int = 4, n_train: int = 24, batch_size: int = 4):
+                 scheduler: str = "none", param_groups: bool = False, unfreeze_epoch: int = -1, lr: float = 1e-3, n_layer: int = 4, n_train: int = 24, batch_size: int = 4):
         super().__init__()
         self.save_hyperparameters()
         from transformers import AutoModelForSequenceClassification, BertConfig
@@ -30,6 +30,10 @@ class HabitBert(L.LightningModule):
             self.model.bert.embeddings.requires_grad_(False)
         for layer in self.model.bert.encoder.layer[:freeze_layers]:
             layer.requires_grad_(False)
+
+    def on_train_epoch_start(self):  # gradual unfreezing: the frozen embeddings train from this epoch on
+        if self.current_epoch == self.hparams.unfreeze_epoch:
+            self.model.bert.embeddings.requires_grad_(True)
 
     def training_step(self, batch, batch_idx):
         loss = self.model(**batch).loss

@@ -23,12 +23,15 @@ FROZEN_LAYERS = ("--freeze-embeddings", "--freeze-layers", "2", "--all-params", 
                  "--clip", "norm")
 #: two parameter groups, linear warm-up, trainer.validate before fit, fit twice on one Trainer
 REFIT = ("--param-groups", "--scheduler", "linear", "--validate-first", "--fit-twice")
+#: gradual unfreezing: embeddings frozen, unfrozen at the start of epoch 1, clipping by norm
+UNFREEZE = ("--freeze-embeddings", "--all-params", "--unfreeze-epoch", "1", "--clip", "norm")
 #: the whole first stage frozen (embeddings, layers 0-1) and the optimizer over the trainable ones
 FROZEN_FIRST_STAGE = ("--freeze-embeddings", "--freeze-layers", "2")
 
 LAYOUTS = {"ddp": (1, ("--strategy", "ddp")), "tp2": (2, ("--strategy", "megatron", "--tp", "2")),
            "pp2": (2, ("--strategy", "megatron", "--pp", "2")), "ddp2": (2, ("--strategy", "ddp")),
-           "dp2-zero": (2, ("--strategy", "megatron", "--zero"))}  # the distributed optimizer needs dp > 1
+           "dp2-zero": (2, ("--strategy", "megatron", "--zero")),  # the distributed optimizer needs dp > 1
+           "dp2": (2, ("--strategy", "megatron")), "ddp-batch8": (1, ("--strategy", "ddp", "--batch-size", "8"))}
 
 
 @functools.lru_cache(maxsize=None)

@@ -63,11 +63,13 @@ def _args():
     p.add_argument("--dir", required=True, help="logs and checkpoints go here")
     p.add_argument("--freeze-embeddings", action="store_true")
     p.add_argument("--freeze-layers", type=int, default=0)
+    p.add_argument("--unfreeze-epoch", type=int, default=-1, help="unfreeze the embeddings at this epoch's start")
     p.add_argument("--all-params", action="store_true", help="optimizer over all parameters, frozen ones included")
     p.add_argument("--param-groups", action="store_true", help="encoder and head in two groups, two lrs")
     p.add_argument("--scheduler", default="none", choices=["none", "plateau", "onecycle", "linear"])
     p.add_argument("--clip", default="none", choices=["none", "value", "norm"])
     p.add_argument("--max-steps", type=int, default=13)
+    p.add_argument("--batch-size", type=int, default=4, help="per process")
     p.add_argument("--validate-first", action="store_true")
     p.add_argument("--zero", action="store_true", help="MegatronStrategy(use_distributed_optimizer=True)")
     p.add_argument("--fit-twice", action="store_true", help="a second fit on the same Trainer, max_steps raised")
@@ -91,8 +93,8 @@ def main() -> None:
     args = _args()
     torch.set_num_threads(1)
     L.seed_everything(7, verbose=False)
-    module = HabitBert(freeze_embeddings=args.freeze_embeddings, freeze_layers=args.freeze_layers,
-                       all_params=args.all_params, param_groups=args.param_groups, scheduler=args.scheduler)
+    module = HabitBert(batch_size=args.batch_size, freeze_embeddings=args.freeze_embeddings, freeze_layers=args.freeze_layers,
+                       all_params=args.all_params, param_groups=args.param_groups, unfreeze_epoch=args.unfreeze_epoch, scheduler=args.scheduler)
     if args.strategy == "ddp":
         strategy = DDPStrategy()
     else:

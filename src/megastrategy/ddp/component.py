@@ -22,24 +22,31 @@ format over the model's parameters, so :mod:`megastrategy.checkpoint` reshards i
 """
 from __future__ import annotations
 
+import logging
 from contextlib import ExitStack, contextmanager
 from typing import Any, Callable, ContextManager, Iterable, Iterator, Optional, Union
 
 import torch
 from torch import nn
 
-from megastrategy.component import Component, SetupContext
+from megastrategy.component import Component, SetupContext, StepInfo
 from megastrategy.config import MegatronConfig
 from megastrategy.ddp.distributed_optimizer import DistributedOptimizer
 from megastrategy.ddp.grad_buffer import GradientBuffer
 from megastrategy.ddp.grad_clip import clip_grad_norm_, global_grad_norm
 from megastrategy.ddp.grad_views import visible_grads
 from megastrategy.ddp.optimizer_wrapping import wrap_optimizers
+from megastrategy.ddp.trainable_set import refuse_change, trainable_change
 from megastrategy.errors import MegatronConfigError
 from megastrategy.layers.shard_spec import get_shard_spec
-from megastrategy.moe.integration import clip_grad_norm_with_experts, dense_parameters, grad_norm_with_experts
+from megastrategy.rank_zero import log_on_rank_zero
+from megastrategy.moe.integration import (
+    clip_grad_norm_with_experts, dense_parameters, grad_norm_with_experts, is_expert_parameter,
+)
 
 __all__ = ["GradientBuffers", "grad_counts_here"]
+
+log = logging.getLogger(__name__)
 
 
 class GradientBuffers(Component):
@@ -62,8 +69,13 @@ class GradientBuffers(Component):
 
     def on_fit_setup(self, module: nn.Module, ctx: SetupContext) -> None:
         self.teardown()
-        c, self._ctx = self.config, ctx
-        self.buffer = GradientBuffer(
+        self._ctx = ctx
+        self.buffer = self._build(module)
+        ctx.grad_buffers.insert(0, self.buffer)
+
+    def _build(self, module: nn.Module) -> GradientBuffer:
+        c, ctx = self.config, self._require_ctx()
+        return GradientBuffer(
             dense_parameters(module),
             group=ctx.grad_reduce_group,
             grad_reduce_in_fp32=c.grad_reduce_in_fp32,
@@ -72,7 +84,26 @@ class GradientBuffers(Component):
             distributed_optimizer=c.use_distributed_optimizer,
             deferred_params=list(ctx.grads_changed_after_backward),
         )
-        ctx.grad_buffers.insert(0, self.buffer)
+
+    def begin_step(self, module: nn.Module, step: StepInfo) -> None:
+        """Follow ``requires_grad`` changed since the buffer was built (fine-tuning code freezing or
+        unfreezing layers): rebuild the buffer between optimizer steps (see :mod:`.trainable_set`)."""
+        if not step.training or self.buffer is None:
+            return
+        named = [(n, p) for n, p in module.named_parameters() if not is_expert_parameter(p)]
+        unfrozen, frozen = trainable_change(named, {id(p) for p in self.buffer.params})
+        if not unfrozen and not frozen:
+            return
+        if self.buffer.has_grads:
+            refuse_change(unfrozen, frozen, "this happened between the batches of one accumulated optimizer step")
+        if any(isinstance(o, DistributedOptimizer) for o in self._optimizers):  # ZeRO-1, bf16-true main weights
+            refuse_change(unfrozen, frozen, "the optimizer holds fp32 pieces of the gradient buffer")
+        old, ctx = self.buffer, self._require_ctx()
+        old.remove()
+        self.buffer = self._build(module)
+        ctx.grad_buffers[ctx.grad_buffers.index(old)] = self.buffer
+        log_on_rank_zero(log, logging.INFO, f"megastrategy: requires_grad changed during fit ({len(unfrozen)} "
+                         f"parameter(s) unfrozen, {len(frozen)} frozen): gradient buffer rebuilt")
 
     def wrap_optimizers(self, optimizers: list) -> list:
         with_experts = self._ctx is not None and self._ctx.num_moe_layers > 0

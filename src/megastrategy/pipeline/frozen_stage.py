@@ -31,5 +31,6 @@ def explain_empty_optimizer(module: nn.Module, stage: Optional[object], error: V
         "(requires_grad=False), so an optimizer built "
         "from the trainable parameters is empty here. Build the optimizer from all parameters "
         "(torch.optim.AdamW(self.parameters(), ...): frozen ones get no gradient and are not updated, as under "
-        "DDP), freeze fewer of the first layers, or use a smaller pp."
+        "DDP), freeze fewer of the first layers, or use a smaller pp (Lightning's BackboneFinetuning, which freezes "
+        "the whole backbone and adds it to the optimizer later, needs every stage to hold something trainable)."
     ) from error

@@ -115,3 +115,31 @@ def test_with_two_replicas_the_reduced_gradients_and_logs_are_ddps(overlap):
     for step, (mine, theirs) in enumerate(zip(ours["steps"], ref["steps"])):
         _assert_close(mine, theirs, f"step {step}")
     _assert_close(ours["final"], ref["final"], "epoch")
+
+
+LATE_MODEL = Path(__file__).parent / "scripts" / "configure_model.py"
+
+
+@pytest.mark.timeout(500)
+def test_a_model_built_in_configure_model_trains_like_ddp_under_tp_and_pp():
+    """Lightning's recipe for large models builds the model in ``configure_model()``, after the
+    strategy exists: the strategy validates and cuts it there, not when the module arrives empty."""
+    reference = run_script(LATE_MODEL, 1, ["--strategy", "ddp"], timeout=180)
+    for layout in (["--tp", "2"], ["--pp", "2"]):
+        got = run_script(LATE_MODEL, 2, ["--strategy", "megatron", *layout], timeout=180)
+        assert len(got["losses"]) == 4, layout
+        assert max(abs(a - b) for a, b in zip(got["losses"], reference["losses"])) < 2e-4, layout
+        assert abs(got["val_loss"] - reference["val_loss"]) < 2e-4, layout
+
+
+GENERATE = Path(__file__).parent / "scripts" / "generate_in_validation.py"
+
+
+@pytest.mark.timeout(400)
+def test_generate_in_validation_step_under_tp_continues_as_one_device():
+    """Greedy decoding with the key/value cache on the sharded attention: the same tokens as DDP."""
+    reference = run_script(GENERATE, 1, ["--strategy", "ddp"], timeout=180)
+    tp2 = run_script(GENERATE, 2, ["--strategy", "megatron", "--tp", "2"], timeout=180)
+    assert len(reference["continuations"]) >= 2  # the sanity check's batches and the validation's
+    assert tp2["continuations"] == reference["continuations"]
+    assert max(abs(a - b) for a, b in zip(tp2["losses"], reference["losses"])) < 2e-4

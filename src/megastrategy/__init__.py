@@ -1,8 +1,10 @@
 """megastrategy: Megatron-LM parallelism for unchanged PyTorch Lightning modules."""
+from megastrategy import load_from_checkpoint
 from megastrategy.errors import MegatronConfigError
 from megastrategy.registry import register_when_lightning_loads
 
 register_when_lightning_loads()  # Trainer(strategy="megatron_tp2"): see megastrategy.registry
+load_from_checkpoint.install()  # MyModule.load_from_checkpoint(<checkpoint directory>): see that module
 
 __version__ = "0.1.0"
 __all__ = ["MegatronStrategy", "MegatronConfigError", "__version__"]

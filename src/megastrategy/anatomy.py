@@ -97,6 +97,7 @@ class OutsideModule:
     parent: nn.Module
     module: nn.Module
     attr: str
+    by_registration: bool = False  # placed by where it is registered: no dry run of the forward saw it
 
 
 def outside_modules(
@@ -125,7 +126,7 @@ def outside_modules(
             if any(True for _ in child.parameters()):
                 name = f"{prefix}{attr}"
                 where = called.get(name) or {"after" if seen_path_child else "before"}
-                outside = OutsideModule(name, parent, child, attr)
+                outside = OutsideModule(name, parent, child, attr, by_registration=name not in called)
                 pre += [outside] if "before" in where else []
                 post += [outside] if "after" in where else []
         parent, prefix = getattr(parent, part), f"{prefix}{part}."

@@ -11,12 +11,10 @@ names; :func:`preset` gives the clear one (and :data:`PRESETS` is the list).
 """
 from __future__ import annotations
 
-import importlib.abc
-import importlib.util
-import sys
 from typing import Any, Mapping, NamedTuple
 
 from megastrategy.errors import MegatronConfigError
+from megastrategy.import_hooks import when_loaded
 
 __all__ = ["PRESETS", "Preset", "preset", "register_presets", "register_when_lightning_loads"]
 
@@ -68,40 +66,7 @@ def register_presets(registry: Any) -> None:
         registry.register(name, _make(name), description=f"MegatronStrategy: {p.description}", override=True)
 
 
-class _RegisterAfterLoad(importlib.abc.Loader):
-    """Runs the real loader, then registers the presets in the module it loaded."""
-
-    def __init__(self, loader: importlib.abc.Loader) -> None:
-        self.loader = loader
-
-    def create_module(self, spec):
-        return self.loader.create_module(spec)
-
-    def exec_module(self, module) -> None:
-        self.loader.exec_module(module)
-        register_presets(module.StrategyRegistry)
-
-    def __getattr__(self, name: str) -> Any:  # get_source, get_filename, ... for tracebacks
-        return getattr(self.loader, name)
-
-
-class _WaitForLightning(importlib.abc.MetaPathFinder):
-    """Answers for ``lightning.pytorch.strategies`` only, once; every other import passes by."""
-
-    def find_spec(self, fullname, path, target=None):
-        if fullname != LIGHTNING_STRATEGIES:
-            return None
-        sys.meta_path.remove(self)  # fires once; the real finders locate the module
-        spec = importlib.util.find_spec(fullname)
-        if spec is not None and spec.loader is not None:
-            spec.loader = _RegisterAfterLoad(spec.loader)
-        return spec
-
-
 def register_when_lightning_loads() -> None:
     """Register the presets now if Lightning is loaded, else as soon as it is (idempotent)."""
-    loaded = sys.modules.get(LIGHTNING_STRATEGIES)
-    if loaded is not None and hasattr(loaded, "StrategyRegistry"):
-        register_presets(loaded.StrategyRegistry)
-    elif not any(isinstance(f, _WaitForLightning) for f in sys.meta_path):
-        sys.meta_path.insert(0, _WaitForLightning())
+    when_loaded(LIGHTNING_STRATEGIES, lambda module: register_presets(module.StrategyRegistry),
+                ready=lambda module: hasattr(module, "StrategyRegistry"))

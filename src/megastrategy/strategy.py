@@ -30,6 +30,7 @@ from megastrategy.component_list import ComponentList
 from megastrategy.config import MegatronConfig, split_strategy_arguments
 from megastrategy.ddp.overlap_policy import resolve_overlap_grad_reduce
 from megastrategy.parallel_state import ParallelLayout, ParallelState
+from megastrategy.pipeline.frozen_stage import explain_empty_optimizer
 from megastrategy.pipeline.step_runner import StepRunner
 from megastrategy.rank_zero import log_on_rank_zero
 from megastrategy.lightning_steps import LightningStepMethods
@@ -189,7 +190,11 @@ class MegatronStrategy(LightningStepMethods, CheckpointMethods, ReplicaCollectiv
         self._ctx.overlap_grad_reduce = overlap
         log.debug("megastrategy: overlap_grad_reduce=%s (%s)", overlap, why)
         self.components.each("on_fit_setup", module, self._ctx)
-        self.setup_optimizers(trainer)
+        try:
+            self.setup_optimizers(trainer)
+        except ValueError as error:  # torch's "empty parameter list" on a stage with nothing to train
+            explain_empty_optimizer(module, self._ctx.stage, error)
+            raise
         self.optimizers = self.components.chain("wrap_optimizers", self.optimizers)
 
     def configure_ddp(self) -> None:

@@ -89,3 +89,17 @@ def test_the_strategy_wraps_optimizers_only_for_half_parameters_and_refuses_moe(
     strategy.optimizers, strategy.expert_grad_buffer = [user], object()
     with pytest.raises(MegatronConfigError, match=r"bf16-true.*MoE.*bf16-mixed"):
         wrap(strategy)
+
+
+def test_learning_rate_monitor_names_the_users_optimizer():
+    """Lightning's LearningRateMonitor reads a wrapped optimizer's ``.optimizer`` (as for DeepSpeed):
+    the column is ``lr-SGD``, as under DDP, and a scheduler on the user's optimizer covers the wrapper."""
+    from collections import defaultdict
+
+    from lightning.pytorch.callbacks import LearningRateMonitor
+
+    _, _, opt = _model_and_optimizer()
+    assert opt.optimizer is opt.user_optimizer
+    names, unscheduled = LearningRateMonitor()._find_names_from_optimizers([opt], [], defaultdict(int))
+    assert names == [["lr-SGD"]] and unscheduled == [opt.user_optimizer]
+    assert LearningRateMonitor()._find_names_from_optimizers([opt], [opt.user_optimizer], defaultdict(int)) == ([], [])

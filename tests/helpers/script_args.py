@@ -28,3 +28,55 @@ def leave_without_static_destructors() -> None:
     if dist.is_initialized():
         dist.barrier()
     os._exit(0)
+
+
+def short_fit_trainer(args: argparse.Namespace, callbacks: list, max_steps: int, **megatron: object):
+    """A quiet ``Trainer`` for a few steps, one validation at the end, no logger or checkpoints, on
+    Lightning's ``DDPStrategy`` or ``MegatronStrategy(tp, pp, **megatron)`` as ``args`` say."""
+    import lightning as L
+    from lightning.pytorch.strategies import DDPStrategy
+
+    if args.strategy == "ddp":
+        strategy = DDPStrategy()
+    else:
+        from megastrategy import MegatronStrategy
+
+        strategy = MegatronStrategy(tp=args.tp, pp=args.pp, **megatron)
+    return L.Trainer(
+        accelerator="cpu", devices=int(os.environ["WORLD_SIZE"]), strategy=strategy, max_steps=max_steps,
+        val_check_interval=max_steps, limit_val_batches=2, logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False, callbacks=callbacks,
+    )
+
+
+def step_losses_callback():
+    """A Lightning callback whose ``losses`` list gets each training step's loss, as rank 0 saw it."""
+    import lightning as L
+
+    class StepLosses(L.Callback):
+        def __init__(self) -> None:
+            self.losses: list[float] = []
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            self.losses.append(float(outputs["loss"]))
+
+    return StepLosses()
+
+
+def fit_and_report(args: argparse.Namespace, module, data, max_steps: int, extra=None) -> None:
+    """Fit ``module`` on ``data`` (batches of 8, the same data for validation) with
+    :func:`short_fit_trainer`; rank 0 writes the per-step losses, the validation loss and
+    ``extra(trainer)``'s items to ``args.out``; then leave (:func:`leave_without_static_destructors`)."""
+    import json
+    from pathlib import Path
+
+    from torch.utils.data import DataLoader
+
+    losses = step_losses_callback()
+    trainer = short_fit_trainer(args, [losses], max_steps=max_steps)
+    trainer.fit(module, DataLoader(data, batch_size=8), DataLoader(data, batch_size=8))
+    report = {"losses": losses.losses, "val_loss": float(trainer.callback_metrics["val_loss"])}
+    report.update(extra(trainer) if extra is not None else {})
+    if trainer.global_rank == 0:
+        Path(args.out).write_text(json.dumps(report))
+    leave_without_static_destructors()

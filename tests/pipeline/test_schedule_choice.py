@@ -30,3 +30,14 @@ def test_w_step_has_no_megatron_code():
     assert ScheduleStep(False, 1, 3, StepPart.INPUT).code == -2
     with pytest.raises(ValueError, match="weight-gradient"):
         ScheduleStep(False, 1, 3, StepPart.WEIGHT).code
+
+
+def test_microbatches_for_a_ragged_batch_is_the_largest_divisor_the_schedule_runs():
+    from megastrategy.pipeline.schedule_choice import microbatches_for
+
+    assert microbatches_for(8, 4, "1f1b", 2, 0) == 4
+    assert microbatches_for(6, 4, "1f1b", 2, 0) == 3
+    assert microbatches_for(7, 4, "1f1b", 2, 1) == 1
+    assert microbatches_for(6, 4, "zb_v", 2, 0, 2) == 3  # ZB-V needs at least 2*pp - 1 = 3
+    with pytest.raises(MegatronConfigError, match=r"batch of 5 examples .*'zb_v'.*drop_last=True"):
+        microbatches_for(5, 4, "zb_v", 2, 0, 2)

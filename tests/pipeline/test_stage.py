@@ -71,3 +71,33 @@ def test_a_module_whose_weight_every_layer_reads_is_refused_on_stages_without_it
         model(input_ids=torch.randint(0, 64, (2, 7)))
     stage.deactivate()
     assert not hasattr(model.encoder.rel_embeddings, "weight")  # a probe still just answers no
+
+
+class _HeadFirst(torch.nn.Module):
+    """A user's module that registers its head before the Hugging Face backbone it follows, and an
+    input projection after the backbone it feeds: no dry run sees either, so registration places them."""
+
+    def __init__(self):
+        super().__init__()
+        self.head = torch.nn.Linear(16, 2)
+        config = transformers.BertConfig(vocab_size=64, hidden_size=16, num_hidden_layers=4, num_attention_heads=2,
+                                         intermediate_size=32, max_position_embeddings=16)
+        self.encoder = transformers.BertModel(config)
+        self.in_proj = torch.nn.Embedding(64, 16)
+
+
+@pytest.mark.parametrize("pp_rank, call, fix", [
+    (1, lambda m, ids: m.head(m.encoder(input_ids=ids).last_hidden_state), r"head is registered before .*below"),
+    (0, lambda m, ids: m.encoder(inputs_embeds=m.in_proj(ids)), r"in_proj is registered after .*above"),
+])
+def test_a_module_placed_by_registration_but_called_on_the_other_side_says_to_move_its_line(pp_rank, call, fix):
+    from megastrategy.errors import MegatronConfigError
+
+    model, path = _HeadFirst(), "encoder.encoder.layer"
+    anatomy = ModelAnatomy.of(model, path, record_forward_order(model, path).called)
+    stage = cut_stage(model, stack_path=path, stack=anatomy.stack, assignment=assign_layers(4, 2), pp_rank=pp_rank,
+                      pp_size=2, vp_size=1, anatomy=anatomy)
+    stage.activate(0, torch.zeros(2, 7, 16) if pp_rank else None)
+    with pytest.raises(MegatronConfigError, match=fix + r".* in __init__"):
+        call(model, torch.randint(0, 64, (2, 7)))
+    stage.deactivate()

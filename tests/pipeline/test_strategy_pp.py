@@ -98,3 +98,32 @@ def test_logging_surface_under_tp_pp_matches_ddp(tmp_path):
     final, final_ref = ours["final_metrics"], ref["final_metrics"]
     assert final.keys() == final_ref.keys() and {"val_acc", "train_acc_epoch", "val_loss"} <= final.keys()
     assert all(abs(final[k] - final_ref[k]) < TOL for k in final), (final, final_ref)
+
+
+@pytest.mark.parametrize("layout", ["pp2", "pp2-vp2"])
+def test_a_frozen_tied_embedding_stays_frozen_like_ddps(layout):
+    """Fine-tuning habit: ``wte.requires_grad_(False)`` on a GPT whose head is tied to it. The copies
+    on the first and last stage have no gradient to sum; DDP trains the rest the same way."""
+    nprocs, dp, extra = LAYOUTS[layout]
+    _assert_same(_run("megatron", nprocs, "gpt", *extra, "--user-plan", "--freeze", "wte"),
+                 _run("ddp", dp, "gpt", "--freeze", "wte"))
+
+
+RAGGED = ("--n-train", "30", "--batch-size", "8", "--epochs", "1", "--steps", "4")  # batches of 8, 8, 8 and a last one of 6
+RAGGED_SCHEDULES = {  # name: strategy arguments; num_microbatches=4 does not divide the last batch
+    "1f1b": ("--pp", "2", "--num-microbatches", "4"),
+    "interleaved": ("--pp", "2", "--vp", "2", "--num-microbatches", "4"),
+    "zb_h1": ("--pp", "2", "--num-microbatches", "4", "--pipeline-schedule", "zb_h1"),
+    "zb_v": ("--pp", "2", "--num-microbatches", "4", "--pipeline-schedule", "zb_v"),
+}
+
+
+@pytest.mark.parametrize("schedule", sorted(RAGGED_SCHEDULES))
+def test_an_epochs_ragged_last_batch_trains_like_ddp(schedule):
+    """``DataLoader(drop_last=False)``, Lightning's default, ends an epoch with a smaller batch: it
+    runs as fewer equal microbatches (3, or 2 where the schedule needs a multiple of pp), not as an
+    error at the end of the epoch."""
+    ours = _run("megatron", 2, "bert", *RAGGED, *RAGGED_SCHEDULES[schedule])
+    ref = _run("ddp", 1, "bert", *RAGGED)
+    assert len(ref["train_loss"]) == 4
+    _assert_same(ours, ref)

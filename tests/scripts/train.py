@@ -145,6 +145,7 @@ def main() -> None:
     p.add_argument("--sequence-parallel", action="store_true", help="MegatronStrategy(sequence_parallel=True)")
     p.add_argument("--recompute", choices=["full", "selective"], help="MegatronStrategy(activation_checkpointing=...)")
     p.add_argument("--stub-cuda-graphs", help="cuda_graph_scope (comma-separated) on CPU with a stub graphing function")
+    p.add_argument("--freeze", help="requires_grad_(False) on this submodule (e.g. wte), as fine-tuning code does")
     p.add_argument("--dropout", type=float, help="set p of every nn.Dropout (and nn.MultiheadAttention) of the model")
     args = p.parse_args()
     if args.slurm:
@@ -160,6 +161,8 @@ def main() -> None:
     module = MODELS[args.model](n_layer=args.layers, optimizer=args.optimizer, n_train=args.n_train, **sizes)
     if args.shuffle:
         module.shuffle_train = True
+    if args.freeze:
+        module.get_submodule(args.freeze).requires_grad_(False)
     if args.dropout is not None:
         for m in module.modules():
             if isinstance(m, torch.nn.Dropout):

@@ -12,6 +12,7 @@ from megastrategy.checkpoint.async_writer import AsyncCheckpointWriter
 from megastrategy.checkpoint.dcp_io import PathLike
 from megastrategy.checkpoint.lightning import CheckpointSite, load_lightning_checkpoint, save_lightning_checkpoint
 from megastrategy.checkpoint.resume import ExactResume
+from megastrategy.checkpoint.save_pretrained_guard import refuse_partial_save_pretrained, sharding_of
 from megastrategy.component import Component, Environment, SetupContext
 from megastrategy.config import MegatronConfig
 
@@ -33,6 +34,9 @@ class Checkpoints(Component):
 
     def configure(self, ctx: SetupContext) -> None:
         self._ctx = ctx
+
+    def apply(self, module: Any, ctx: SetupContext) -> None:
+        refuse_partial_save_pretrained(module, sharding_of(ctx.parallel_state))
 
     def on_train_loader(self, loader: Any, trainer: Any) -> Any:
         """The training loader resumes mid-epoch at the next unseen batch."""

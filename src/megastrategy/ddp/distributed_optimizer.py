@@ -138,6 +138,13 @@ class DistributedOptimizer(torch.optim.Optimizer):
     _needs_sharded_buffer = True
 
     @property
+    def optimizer(self) -> torch.optim.Optimizer:
+        """The user's optimizer, under the name Lightning reads for a wrapped one (DeepSpeed's
+        ``.optimizer``): ``LearningRateMonitor`` then logs ``lr-AdamW`` as under DDP and sees that
+        the user's scheduler drives it, instead of adding an ``lr-DistributedOptimizer`` column."""
+        return self.user_optimizer
+
+    @property
     def _sharded(self) -> bool:
         """Whether data-parallel ranks own different slices (else each rank owns everything)."""
         return self.buffer.distributed_optimizer and self.buffer.dp_size > 1

@@ -39,6 +39,7 @@ from typing import Any
 from torch import nn
 
 from megastrategy.fused_experts import is_fused_experts
+from megastrategy.layers.lora_plan import _LORA_ADVICE, _is_lora_layer, lora_members, lora_unsupported
 from megastrategy.layers.unit_types import HEAD_ATTRS, BuiltinUnit, Refusal, SizeCheck, is_hf_pretrained, is_linear_layer
 from megastrategy.naming import join_name, parent_name
 
@@ -139,10 +140,17 @@ class _Translator:
             if id(getattr(m, "weight", None)) in self.whole_weights:
                 return  # tied to an embedding kept whole: the head stays whole too
             ours, extra = "vocab", {}
+        name = join_name(self.root_name, local)
+        if ours in ("column", "row") and _is_lora_layer(m):
+            unsupported = lora_unsupported(m)
+            if unsupported:
+                self.out.refused.append(Refusal(name, style, unsupported, "declared", _LORA_ADVICE))
+            else:
+                self.members.setdefault(parent_name(name), []).extend(lora_members(name, m, ours, extra))
+            return
         if ours in ("column", "row") and not is_linear_layer(m):
             self._refuse(local, style, f"it is a {type(m).__name__}, not an nn.Linear")
             return
-        name = join_name(self.root_name, local)
         self.members.setdefault(parent_name(name), []).append((name, ours, dict(extra)))
 
     def _unit(self, owner: str, members: list[tuple[str, str, dict[str, Any]]]) -> BuiltinUnit:

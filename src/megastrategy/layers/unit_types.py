@@ -91,6 +91,8 @@ class Refusal:
     reason: str
     #: ``"declared"`` (a Hugging Face style with no exact translation) or ``"structural"``
     origin: str = "declared"
+    #: what to do instead, when keeping the module whole (the usual advice) would not work
+    advice: str = ""
 
 
 @dataclass

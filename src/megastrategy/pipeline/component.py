@@ -19,6 +19,7 @@ from megastrategy.pipeline.layer_assignment import assign_layers
 from megastrategy.pipeline.schedule_choice import schedule_placement
 from megastrategy.pipeline.schedules import validate_schedule
 from megastrategy.pipeline.zero_bubble_v import check_zb_v
+from megastrategy.pipeline.generation_guard import refuse_generation
 from megastrategy.pipeline.stage import cut_stage
 
 
@@ -87,6 +88,7 @@ class Pipeline(Component):
         shared = {id(p) for p in self._shared}
         self._tied = [p for p in ctx.stage.tied_parameters if id(p) not in shared]
         self._embedding_group, self._pp_group = ps.embedding_group, ps.pp_group
+        refuse_generation(module, self.pp)
 
     def on_fit_setup(self, module: nn.Module, ctx: SetupContext) -> None:
         # summed over stages after backward (finalize_grads): their buckets must not reduce early
@@ -95,13 +97,18 @@ class Pipeline(Component):
 
     def finalize_grads(self) -> bool:
         """Keep every stage's copy of a tied weight identical: sum the gradients of a tied embedding
-        over the first and last stage, and of a block applied on several stages over the pipeline."""
+        over the first and last stage, and of a block applied on several stages over the pipeline.
+        A frozen one (a fine-tuning habit: ``wte.requires_grad_(False)``) has no gradient on any stage."""
         if self._tied and self._embedding_group is not None:
-            for p in self._tied:
+            for p in filter(_trains, self._tied):
                 dist.all_reduce(p.main_grad, group=self._embedding_group)
-        for p in self._shared:
+        for p in filter(_trains, self._shared):
             dist.all_reduce(p.main_grad, group=self._pp_group)
         return True
+
+
+def _trains(p: nn.Parameter) -> bool:
+    return p.requires_grad
 
 
 def _refuse_what_stages_cannot_split(hf: Optional[nn.Module], pp: int) -> None:

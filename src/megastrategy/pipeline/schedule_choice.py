@@ -7,7 +7,7 @@ from megastrategy.pipeline.schedules import ScheduleStep, schedule_steps
 from megastrategy.pipeline.zero_bubble import zb_h1_steps
 from megastrategy.pipeline.zero_bubble_v import zb_v_steps
 
-__all__ = ["PIPELINE_SCHEDULES", "schedule_placement", "schedule_vp_size", "training_steps",
+__all__ = ["PIPELINE_SCHEDULES", "microbatches_for", "schedule_placement", "schedule_vp_size", "training_steps",
            "validate_pipeline_schedule"]
 
 #: name -> what it is; "1f1b" is interleaved when vp > 1
@@ -70,3 +70,23 @@ def training_steps(
             raise MegatronConfigError(f"pipeline_schedule='zb_v' runs two chunks per rank; got vp_size={vp_size}.")
         return zb_v_steps(num_microbatches, pp_size, pp_rank)
     return schedule_steps(num_microbatches, pp_size, pp_rank, vp_size, group_size)
+
+
+def microbatches_for(batch_size: int, wanted: int, name: str, pp_size: int, pp_rank: int, vp_size: int = 1) -> int:
+    """How many microbatches a training batch of ``batch_size`` runs as: ``wanted``, or, when it
+    does not divide the batch (the epoch's ragged last batch, since ``DataLoader(drop_last=False)``
+    is the default), the largest divisor below it that the schedule can run. Equal microbatches
+    keep a per-example mean loss and its gradients exactly what one device computes."""
+    if batch_size % wanted == 0:
+        return wanted
+    for count in sorted((d for d in range(1, wanted) if batch_size % d == 0), reverse=True):
+        try:
+            training_steps(name, count, pp_size, pp_rank, vp_size)
+        except MegatronConfigError:
+            continue
+        return count
+    raise MegatronConfigError(
+        f"a training batch of {batch_size} examples cannot be split into equal microbatches that "
+        f"pipeline_schedule={name!r} (pp={pp_size}, vp={vp_size}) can run (num_microbatches={wanted}); use a "
+        f"DataLoader with drop_last=True, a batch size that is a multiple of {wanted}, or pipeline_schedule='1f1b'."
+    )

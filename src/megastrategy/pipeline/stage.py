@@ -31,6 +31,7 @@ from megastrategy.pipeline.boundary_pack import pack, unpack
 from megastrategy.pipeline.forward_order import block_outputs, meta_copy
 from megastrategy.pipeline.placement import StagePlacement
 from megastrategy.pipeline.reused_layers import ReusedLayers
+from megastrategy.pipeline.stand_in_values import mark, refuse_if_marked
 
 __all__ = ["PipelineStage", "StageBoundary", "cut_stage", "find_layer_stack", "iter_microbatches"]
 
@@ -71,12 +72,14 @@ class MetaStandIn(nn.Module):
     the other arguments' values): a meta tensor's shape cannot depend on the data anyway.
     """
 
-    def __init__(self, real: nn.Module, name: str):
+    def __init__(self, real: nn.Module, name: str, by_registration: bool = False):
         super().__init__()
         self._meta = [meta_copy(real)]  # a list: not registered as a submodule
         self._name = name
+        self._by_registration = by_registration
         self._outputs: dict[Any, Any] = {}  # input signature -> the meta run's output
         self.stage_done = None  # set by the stage: says whether the stack has already run
+        self.marking = None  # set by the stage: says whether to mark the zeros (:mod:`.stand_in_values`)
         self._running = False  # inside this stand-in's own meta run
         for sub_name, sub in self._meta[0].named_modules():
             if sub_name:
@@ -98,11 +101,7 @@ class MetaStandIn(nn.Module):
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         if self.stage_done is not None and self.stage_done():
-            raise MegatronConfigError(
-                f"{self._name} ran before the pipeline layer stack in the dry run of the forward (or, without one, "
-                "is registered before it) but was called after it; pipeline stages place a module by where the "
-                "forward calls it. Call it on one side of the stack only, or keep it inside a block."
-            )
+            raise MegatronConfigError(misplaced_call(self._name, "before", self._by_registration))
         device = next((a.device for a in list(args) + list(kwargs.values()) if isinstance(a, torch.Tensor)), None)
         key = _signature((args, kwargs))
         out = self._outputs.get(key) if key is not None else None
@@ -118,9 +117,12 @@ class MetaStandIn(nn.Module):
                 if len(self._outputs) >= _MAX_SIGNATURES:
                     self._outputs.clear()
                 self._outputs[key] = out
-        return tree_map(
-            lambda t: torch.zeros(t.shape, dtype=t.dtype, device=device) if isinstance(t, torch.Tensor) else t, out
-        )
+        marked = self.marking is not None and self.marking()
+        return tree_map(lambda t: self._zeros(t, device, marked) if isinstance(t, torch.Tensor) else t, out)
+
+    def _zeros(self, like: torch.Tensor, device: Optional[torch.device], marked: bool) -> torch.Tensor:
+        zeros = torch.zeros(like.shape, dtype=like.dtype, device=device)
+        return mark(zeros, [self._name]) if marked else zeros
 
     def __getattr__(self, name: str) -> Any:
         """What the user's forward reads off the module it replaced comes from the meta copy: the
@@ -183,9 +185,10 @@ class UnreachableAttributeError(MegatronConfigError, AttributeError):
 class Unreachable(nn.Module):
     """Replaces a module registered after the layer stack on stages that end before it."""
 
-    def __init__(self, name: str):
+    def __init__(self, name: str, by_registration: bool = False):
         super().__init__()
         self._name = name
+        self._by_registration = by_registration
 
     def __getattr__(self, attr: str) -> Any:
         """Reading e.g. ``.weight`` instead of calling the module (DeBERTa-v2's relative position
@@ -204,11 +207,23 @@ class Unreachable(nn.Module):
         )
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        raise MegatronConfigError(
-            f"{self._name} ran after the pipeline layer stack in the dry run of the forward (or, without one, "
-            "is registered after it) but was called before the stack finished on a stage that does not own it; "
-            "pipeline stages place a module by where the forward calls it."
-        )
+        raise MegatronConfigError(misplaced_call(self._name, "after", self._by_registration))
+
+
+def misplaced_call(name: str, placed: str, by_registration: bool) -> str:
+    """Why a module placed on one side of the layer stack cannot run on the other, and the fix."""
+    called = "after" if placed == "before" else "before the stack finished"
+    if not by_registration:
+        return (f"{name} ran {placed} the pipeline layer stack in the dry run of the forward but was called {called}; "
+                "pipeline stages place a module by where the forward calls it. Call it on one side of the stack "
+                "only, or keep it inside a block.")
+    move = "below" if placed == "before" else "above"
+    return (f"{name} is registered {placed} the module holding the pipeline layer stack, so pipeline stages place "
+            f"it {placed} the stack (a module no dry run of a Hugging Face model's forward sees is placed by where it "
+            f"is registered, in the order of your __init__), but the step calls it {called}, on a stage that does not "
+            "hold it. "
+            f"Move the line that creates it {move} the line that creates the model in __init__, so that the "
+            "registration order is the order the step uses them.")
 
 
 @dataclass
@@ -246,6 +261,11 @@ class PipelineStage:
     _active_chunk: Optional[int] = None
     _applications: int = 0
     _forward_parameters: dict = field(default_factory=dict)  # forward function -> its parameter names
+    # The first forward of each chunk marks the stand-ins' zeros and checks where they go (:mod:`.stand_in_values`)
+    probing: bool = False
+    _probed_chunks: set = field(default_factory=set)
+    _probe_targets: list = field(default_factory=list)  # chunk -> (name, module) whose inputs are checked
+    _probe_hooks: list = field(default_factory=list)
 
     def is_first_virtual(self, chunk: int) -> bool:
         return self._where().stage(self.pp_rank, chunk) == 0
@@ -271,14 +291,34 @@ class PipelineStage:
         self._stack_finished = False
         self._active_chunk = chunk
         self._applications = 0
+        self.probing = chunk not in self._probed_chunks
+        if self.probing:
+            self._probe_hooks = [module.register_forward_pre_hook(self._input_check(name), with_kwargs=True)
+                                 for name, module in self._probe_targets[chunk]]
 
     def deactivate(self) -> None:
         """Restore the rank's resting view: every local block and only the modules it owns,
         which is what ``parameters()``, optimizers and ``state_dict`` must see."""
         for swap in self._resting_swaps:
             setattr(swap.parent, swap.attr, swap.module)
+        if self.probing:
+            self._probed_chunks.add(self._active_chunk)
+            for hook in self._probe_hooks:
+                hook.remove()
+            self._probe_hooks, self.probing = [], False
         self._pending_input = None
         self._active_chunk = None
+
+    def _input_check(self, name: str):
+        def check(module: nn.Module, args: tuple, kwargs: dict) -> None:
+            refuse_if_marked((args, kwargs), f"{name} (on its inputs)", self.pp_rank)
+
+        return check
+
+    def refuse_marked_output(self, output: Any) -> None:
+        """In the chunk's first forward: refuse a stage output computed from a stand-in's zeros."""
+        if self.probing:
+            refuse_if_marked(output, f"the user's step on the last stage (its output)", self.pp_rank)
 
     def next_application(self) -> int:
         """The index of the stack application starting now (reused blocks count every call)."""
@@ -321,6 +361,8 @@ class PipelineStage:
         if self.is_last_virtual(self._active_chunk):
             return
         values = block_outputs(output)
+        if self.probing:
+            refuse_if_marked(values, f"the hidden state {self.stack_path} hands the next stage", self.pp_rank)
         if not isinstance(values[0], torch.Tensor):
             raise MegatronConfigError(
                 f"the blocks of {self.stack_path} return {type(output).__name__}; pipeline stages need a tensor "
@@ -350,11 +392,12 @@ def _outside_swaps(anatomy: ModelAnatomy, stage: PipelineStage, first: bool, las
         if (first and runs_before) or (last and runs_after):
             swaps.append(_Swap(o.parent, o.attr, o.module))
         elif runs_before:
-            stand_in = MetaStandIn(o.module, o.name)
+            stand_in = MetaStandIn(o.module, o.name, o.by_registration)
             stand_in.stage_done = (lambda: stage._stack_finished) if not runs_after else None
+            stand_in.marking = lambda: stage.probing
             swaps.append(_Swap(o.parent, o.attr, stand_in))
         else:
-            swaps.append(_Swap(o.parent, o.attr, Unreachable(o.name)))
+            swaps.append(_Swap(o.parent, o.attr, Unreachable(o.name, o.by_registration)))
     return swaps
 
 
@@ -401,6 +444,8 @@ def cut_stage(
     for c, layers in enumerate(chunk_layers):
         swaps = [_Swap(stack_parent, stack_attr, layers)]
         stage._chunk_swaps.append(swaps + _outside_swaps(anatomy, stage, stage.is_first_virtual(c), stage.is_last_virtual(c)))
+        after = [(o.name, o.module) for o in anatomy.post] if stage.is_last_virtual(c) else []
+        stage._probe_targets.append([(f"{stack_path}.{i}", m) for i, m in layers.named_children()] + after)
 
     # At rest the rank holds its blocks and only the outside modules it runs for real; the rest
     # are dropped here, which is what frees their memory.
@@ -440,6 +485,8 @@ def _reused_stack(
     held = {b: stack[b] for b in set(shared) | {b for b, ranks in users.items() if pp_rank in ranks}}
     stage.shared_layer_parameters = [p for b in shared for p in stack[b].parameters()]
     stand_ins = {i: MetaStandIn(block, f"block {i}") for i, block in enumerate(stack)}
+    for stand_in in stand_ins.values():
+        stand_in.marking = lambda: stage.probing
     return ReusedLayers(held, stand_ins, stage)
 
 

@@ -19,6 +19,7 @@ The components (:mod:`megastrategy.component`) see the same protocol in both cas
 """
 from __future__ import annotations
 
+import logging
 from contextlib import ExitStack, nullcontext
 from typing import Any, Callable, Mapping, Optional, Sequence
 
@@ -31,13 +32,16 @@ from megastrategy.pipeline.executor import LocalCommunicator, PipelineExecutor
 from megastrategy.pipeline.log_relay import capturing_logs, metric_paths, replay_logs
 from megastrategy.pipeline.model_calls import ModelCalls
 from megastrategy.pipeline.output_relay import OutputRelay
-from megastrategy.pipeline.schedule_choice import schedule_placement, training_steps
+from megastrategy.pipeline.schedule_choice import microbatches_for, schedule_placement, training_steps
+from megastrategy.rank_zero import log_on_rank_zero
 from megastrategy.pipeline.schedules import forward_only_steps
 from megastrategy.pipeline.stage import PipelineStage, StageBoundary, iter_microbatches
 from megastrategy.pipeline.step_output import join_step_outputs
 from megastrategy.pipeline.suspended_step import StepThreads, SuspendedStep
 
 __all__ = ["StepRunner"]
+
+_log = logging.getLogger(__name__)
 
 LightningBackward = Callable[[torch.Tensor], None]
 BackwardHooks = Callable[[torch.Tensor], None]  # Lightning's before/after-backward hooks for a loss
@@ -69,6 +73,7 @@ class StepRunner:
         self._hooks = {h: [c for c in components if overrides(c, h)] for h in _STEP_HOOKS}
         self._metric_paths: Optional[dict[int, str]] = None  # id(metric) -> attribute path
         self._capture: Optional[Any] = None  # this step's log capture (pipelined steps only)
+        self._ragged_sizes_told: set[int] = set()  # training batch sizes run with fewer microbatches, warned once
 
     @classmethod
     def build(cls, ctx: SetupContext, components: Sequence[Component]) -> "StepRunner":
@@ -145,8 +150,21 @@ class StepRunner:
             raise MegatronConfigError(
                 f"{step_name} received keyword arguments {sorted(kwargs)}; pipelining passes (batch, batch_idx)."
             )
-        m = self.num_microbatches if step_name == "training_step" else _eval_microbatches(batch, self.num_microbatches)
+        size = _leading_size(batch)
+        m = self._training_microbatches(size) if step_name == "training_step" else _eval_microbatches(size, self.num_microbatches)
         return list(iter_microbatches(batch, m))
+
+    def _training_microbatches(self, size: int) -> int:
+        """``num_microbatches``, or fewer for a batch it does not divide (said once per size)."""
+        ex, wanted = self.executor, self.num_microbatches
+        m = microbatches_for(size, wanted, self.schedule, ex.pp_size, ex.pp_rank, ex.vp_size)
+        if m != wanted and size not in self._ragged_sizes_told:
+            self._ragged_sizes_told.add(size)
+            log_on_rank_zero(_log, logging.WARNING, (
+                f"megastrategy: a training batch of {size} examples runs as {m} microbatches: "
+                f"num_microbatches={wanted} does not divide it (same losses and gradients, a longer pipeline bubble). "
+                f"An epoch's ragged last batch does this; for every batch, pick a batch size that is a multiple of {wanted}."))
+        return m
 
     def _run_pipelined(self, module: Any, step: StepInfo, user_step: Callable, outputs: list) -> Any:
         if self._metric_paths is None:  # the module's structure is fixed once it is sharded
@@ -254,6 +272,7 @@ class StepRunner:
                     f"{step.name} finished on pipeline stage {stage.pp_rank} chunk {chunk} without running its last "
                     f"block: the forward must run the blocks of {stage.stack_path} in order."
                 )
+            stage.refuse_marked_output((out, recorded))
             self._recorded[microbatch] = recorded
             outputs.append(out)
             return _as_loss(out, step.name) if step.training else _NOTHING()
@@ -331,8 +350,12 @@ def _as_loss(output: Any, step_name: str) -> Optional[torch.Tensor]:
     return loss
 
 
-def _eval_microbatches(batch: Any, wanted: int) -> int:
+def _eval_microbatches(size: int, wanted: int) -> int:
     """Evaluation batches may be ragged (the last one); use the largest divisor up to ``wanted``."""
-    sizes = [x.shape[0] for x in flatten_batch(batch)[0] if isinstance(x, torch.Tensor) and x.dim() > 0]
-    size = sizes[0] if sizes else 1
     return max(d for d in range(1, min(wanted, size) + 1) if size % d == 0)
+
+
+def _leading_size(batch: Any) -> int:
+    """The batch size: dim 0 of the batch's first tensor with a dim (1 when there is none)."""
+    sizes = [x.shape[0] for x in flatten_batch(batch)[0] if isinstance(x, torch.Tensor) and x.dim() > 0]
+    return sizes[0] if sizes else 1

@@ -24,6 +24,20 @@ def _check(rank, world):
     out.pow(2).sum().backward()
     reference(buckets).pow(2).sum().backward()
 
+    class PositionBias(nn.Module):  # Swin's: a [positions, heads] table, called for [1, heads, q, k]
+        def __init__(self):
+            super().__init__()
+            self.table = nn.Parameter(torch.arange(12.0).reshape(3, 4))
+
+        def forward(self):
+            return self.table[torch.tensor([0, 2, 1, 0])].view(2, 2, 4).permute(2, 0, 1).unsqueeze(0)
+
+    swin, swin_reference = PositionBias(), PositionBias()
+    narrow_head_table(swin, dist.group.WORLD, 4)
+    swin_out = swin()
+    swin_out.pow(2).sum().backward()
+    swin_reference().pow(2).sum().backward()
+
     seen = []
 
     class Attention(nn.Module):
@@ -43,6 +57,8 @@ def _check(rank, world):
         "out": out.tolist(), "want": reference(buckets)[..., 2 * rank: 2 * rank + 2].tolist(),
         "grad_equal": bool(torch.allclose(table.weight.grad, reference.weight.grad)),
         "seen": seen, "flat": flat_local.flatten().tolist(),
+        "swin": swin_out.tolist(), "swin_want": swin_reference()[:, 2 * rank: 2 * rank + 2].tolist(),
+        "swin_grad_equal": bool(torch.allclose(swin.table.grad, swin_reference.table.grad)),
     }
 
 
@@ -52,3 +68,4 @@ def test_a_head_table_is_narrowed_and_its_gradient_summed_tp2():
         assert res["grad_equal"], rank
         assert res["seen"] == [(1, 2, 1, 1), (1, 2, 1, 1), (2, 1, 3), (4, 1, 1)]
         assert res["flat"] == [2.0 * rank, 2.0 * rank + 1] * 2  # each example's own heads
+        assert res["swin"] == res["swin_want"] and res["swin_grad_equal"], rank

@@ -33,7 +33,6 @@ MORE = {
 }
 #: refused in setup at tp=2 (the launch goes on): model -> what the message must say
 REFUSED_TP2 = {
-    "swin:img": "SwinAttention",  # the relative position bias table of every head
     "gpt_bigcode:lm": "cannot tell how the packed projection",  # multi-query packing
 }
 #: refused in setup at pp=2
@@ -44,7 +43,7 @@ MODELS = (
     + [f"{a}:mlm" for a in ENCODERS]
     + ["roberta:cls", "distilbert:cls", "albert:cls", "deberta-v2:cls", "modernbert:cls", "llama:cls"]
     + [f"{a}:s2s" for a in STRUCTURAL_SEQ2SEQ]
-    + ["whisper:asr"] + list(MORE)
+    + ["whisper:asr", "swin:img"] + list(MORE)
 )
 #: refused at tp=2, trained at pp=2: model -> plan source (computed at tp=1 too)
 PP2_ONLY = {"gpt_bigcode:lm": "structural:"}
@@ -67,7 +66,7 @@ def _expected_source(model: str) -> str:
     arch = model.split(":")[0]
     if model in MORE or model in PP2_ONLY:
         return {**MORE, **PP2_ONLY}[model]
-    structural = arch in STRUCTURAL_DECODERS + STRUCTURAL_SEQ2SEQ + ("whisper",)
+    structural = arch in STRUCTURAL_DECODERS + STRUCTURAL_SEQ2SEQ + ("whisper", "swin")
     return "declared:" if arch in DECLARED_DECODERS else "structural:" if structural else "auto:"
 
 

@@ -63,6 +63,14 @@ def test_vision_and_audio_models_are_traced_on_their_own_inputs(arch, task, bloc
     assert "column" in styles.values()
 
 
+def test_swins_relative_position_bias_module_follows_the_heads():
+    """A module holding a [positions, heads] table, called by the attention for a bias per head."""
+    got = _sharded(resolve_tp_plan(tiny_model("swin", task="img"), None, 2))
+    attn = "swin.encoder.layers.1.blocks.0.attention"
+    assert got[f"{attn}.relative_position_bias"][0] == "head_table"
+    assert got[f"{attn}.q_proj"][0] == "column" and got[f"{attn}.o_proj"][0] == "row"
+
+
 def test_whisper_is_traced_on_mel_features():
     got = _sharded(resolve_tp_plan(tiny_model("whisper"), None, 2))
     assert got["model.encoder.layers.0.self_attn.out_proj"][0] == "row"

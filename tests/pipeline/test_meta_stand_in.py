@@ -57,3 +57,15 @@ def test_the_forward_can_read_the_replaced_modules_attributes():
     assert stand_in.table.weight.dtype == torch.float32 and stand_in.table.weight.shape == (50, 8)
     assert stand_in.table.weight.is_meta and not list(stand_in.parameters())
     assert stand_in.runs == 0
+
+
+def test_calling_a_part_of_the_replaced_module_is_refused_naming_it():
+    """Reading is fine; a call would compute on the meta device, so it is refused clearly."""
+    import pytest
+
+    from megastrategy.errors import MegatronConfigError
+
+    stand_in, _ = _stand_in()
+    stand_in(torch.zeros(2, 5, dtype=torch.long))  # its own run calls the table: allowed
+    with pytest.raises(MegatronConfigError, match=r"calls embeddings\.table directly"):
+        stand_in.table(torch.zeros(2, 5, dtype=torch.long))

@@ -4,7 +4,8 @@ T5's layer 0 looks its attention bias up in an ``nn.Embedding`` of ``[buckets, h
 hands the resulting ``[1, heads, q, k]`` bias to every later layer as ``position_bias``. With the
 heads split over TP, each rank needs the columns of its own heads:
 
-* ``head_table`` (on the Embedding): the table stays whole on every rank (checkpoints unchanged);
+* ``head_table`` (on the Embedding, or a module holding a ``[positions, heads]`` table, as
+  Swin's relative position bias): the table stays whole on every rank (checkpoints unchanged);
   its output is narrowed to this rank's heads, and its gradient -- nonzero only in those
   columns -- is summed over TP (:mod:`megastrategy.layers.grad_sum`), which is the full
   gradient, so the replicas stay identical.
@@ -34,13 +35,17 @@ def _local(group_ref: ProcessGroupRef, heads: int) -> tuple[int, int]:
     return dist.get_rank(group) * local, local
 
 
-def narrow_head_table(table: nn.Embedding, group, heads: int) -> nn.Embedding:
-    """``table``'s output keeps this rank's head columns; its gradient is summed over TP."""
+def narrow_head_table(table: nn.Module, group, heads: int) -> nn.Module:
+    """``table``'s output keeps this rank's heads (an Embedding's last dimension; a bias module's
+    ``[1, heads, q, k]``, as Swin's, by :func:`_narrow_heads`); its gradient is summed over TP."""
     ref = ProcessGroupRef(group)
+    embedding = isinstance(table, nn.Embedding)
 
-    def narrow(module: nn.Module, args: Any, output: Tensor) -> Tensor:
+    def narrow(module: nn.Module, args: Any, output: Tensor) -> Tensor | None:
         start, local = _local(ref, heads)
-        return output.narrow(-1, start, local)
+        if embedding:
+            return output.narrow(-1, start, local)
+        return _narrow_heads(output, heads, None, start, local)
 
     sum_grads_over_tp(table, group)
     table.register_forward_hook(narrow)

@@ -151,10 +151,12 @@ class _Detector:
 
     def _head_bias(self, owner: str, heads: dict[str, int]) -> list[tuple[str, str, dict[str, Any]]]:
         """T5's relative position bias: a per-head table (an Embedding whose width is the head
-        count) and a ``position_bias`` argument that carries one bias per head."""
+        count, or Swin's module holding a ``[positions, heads]`` table) and a ``position_bias``
+        argument that carries one bias per head."""
         module = self.modules[owner]
         tables = [(n, m.embedding_dim) for n, m in module.named_children()
                   if type(m) is nn.Embedding and m.embedding_dim in heads.values()]
+        tables += [(n, h) for n, m in module.named_children() if (h := _head_wide_table(m, set(heads.values())))]
         members = [(self.full(join_name(owner, n)), "head_table", {"heads": h}) for n, h in tables]
         params = inspect.signature(module.forward).parameters
         no_alibi = getattr(getattr(self.root, "config", None), "alibi", True) is False  # Falcon's default
@@ -178,6 +180,20 @@ class _Detector:
 
     def _shared_with_embeddings(self, emb: nn.Embedding) -> bool:
         return any(isinstance(m, nn.Embedding) and m is not emb and m.weight is emb.weight for m in self.modules.values())
+
+
+def _head_wide_table(m: nn.Module, heads: set[int]) -> int | None:
+    """The head count of a leaf module (not an Embedding, not a linear layer) whose parameters are
+    all ``[positions, heads]`` tables, as Swin's relative position bias: called by its attention,
+    it returns a bias per head. ``None`` for any other module."""
+    if type(m) is nn.Embedding or is_linear_layer(m) or any(True for _ in m.children()):
+        return None
+    shapes = [tuple(q.shape) for q in m.parameters(recurse=False)]
+    widths = {shape[-1] for shape in shapes}
+    if not shapes or any(len(shape) != 2 for shape in shapes) or len(widths) != 1:
+        return None
+    width = widths.pop()
+    return width if width in heads else None
 
 
 def _embeddings(root: nn.Module, getter: str) -> nn.Module | None:

@@ -80,6 +80,24 @@ class MetaStandIn(nn.Module):
         self._outputs: dict[Any, Any] = {}  # input signature -> the meta run's output
         self.stage_done = None  # set by the stage: says whether the stack has already run
         self.marking = None  # set by the stage: says whether to mark the zeros (:mod:`.stand_in_values`)
+        self._running = False  # inside this stand-in's own meta run
+        for sub_name, sub in self._meta[0].named_modules():
+            if sub_name:
+                sub.register_forward_pre_hook(self._refuse_direct_call(sub_name))
+
+    def _refuse_direct_call(self, sub_name: str):
+        """A pre-hook for the meta copy's submodules: the forward may read them (shapes, dtypes)
+        but a call from outside the stand-in's own run would compute on the meta device."""
+
+        def check(module: nn.Module, args: Any) -> None:
+            if not self._running:
+                raise MegatronConfigError(
+                    f"the forward calls {self._name}.{sub_name} directly on a pipeline stage that does not own "
+                    f"{self._name} (it runs before the layer stack, on the first stage only); pipeline stages place "
+                    f"a module by where the forward calls it. Call {self._name} itself, or use pp=1."
+                )
+
+        return check
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         if self.stage_done is not None and self.stage_done():
@@ -89,8 +107,12 @@ class MetaStandIn(nn.Module):
         out = self._outputs.get(key) if key is not None else None
         if out is None:
             to_meta = lambda t: t.to("meta") if isinstance(t, torch.Tensor) else t  # noqa: E731
-            with torch.no_grad():
-                out = self._meta[0](*tree_map(to_meta, args), **tree_map(to_meta, kwargs))
+            self._running = True
+            try:
+                with torch.no_grad():
+                    out = self._meta[0](*tree_map(to_meta, args), **tree_map(to_meta, kwargs))
+            finally:
+                self._running = False
             if key is not None:
                 if len(self._outputs) >= _MAX_SIGNATURES:
                     self._outputs.clear()

@@ -7,6 +7,7 @@ from torch import nn
 
 from megastrategy.component import Component, SetupContext
 from megastrategy.config import MegatronConfig
+from megastrategy.errors import MegatronConfigError
 from megastrategy.layers.block_capture import capture_blocks
 from megastrategy.layers.block_check import verify_sharded_blocks
 from megastrategy.layers.plan import ResolvedPlan, apply_tp_plan, resolve_tp_plan
@@ -27,6 +28,8 @@ class TensorParallel(Component):
         self.plan: Optional[ResolvedPlan] = None
 
     def validate(self, module: nn.Module, layout) -> None:
+        if self.tp > 1:
+            _refuse_compiled(module, self.tp)
         if self.plan is None:
             self.plan = resolve_tp_plan(module, self.tp_plan, self.tp)
 
@@ -40,3 +43,18 @@ class TensorParallel(Component):
             verify_sharded_blocks(module, captured, group, self.tp)
         elif ctx.backend_in_use == "te":  # at tp=1 the plan marks what TE takes over
             apply_tp_plan(module, self.plan, group=group, rng_tracker=ctx.rng_tracker)
+
+
+def _refuse_compiled(module: nn.Module, tp: int) -> None:
+    """``torch.compile(model)`` kept in the module: dynamo would trace the sharded layers, whose
+    vocab-parallel logits report the whole vocabulary while holding a slice, and fail at the
+    first step with a guard error about tensor sizes. Refused before any work instead."""
+    from torch._dynamo.eval_frame import OptimizedModule
+
+    compiled = next((name or type(m).__name__ for name, m in module.named_modules() if isinstance(m, OptimizedModule)), None)
+    if compiled is not None:
+        raise MegatronConfigError(
+            f"tp={tp} with the torch.compile'd module {compiled!r}: compiling a tensor-parallel model is not "
+            "supported yet (dynamo cannot trace the sharded layers). Pass the model without torch.compile, or "
+            "use pp and dp, which run a compiled model."
+        )

@@ -1,0 +1,28 @@
+"""The tensor-parallel component refuses a ``torch.compile``'d model before any work: dynamo
+cannot trace the sharded layers (it failed at the first step with a size-guard error)."""
+import pytest
+import torch
+import transformers
+
+from megastrategy.config import MegatronConfig
+from megastrategy.errors import MegatronConfigError
+from megastrategy.layers.components.tensor_parallel import TensorParallel
+from tests.helpers.causal_lm_steps import tiny_llama_config
+
+
+def _holder(compiled: bool) -> torch.nn.Module:
+    holder = torch.nn.Module()
+    model = transformers.AutoModelForCausalLM.from_config(tiny_llama_config())
+    holder.model = torch.compile(model, backend="eager") if compiled else model
+    return holder
+
+
+def test_a_compiled_model_is_refused_at_tp2_naming_it():
+    with pytest.raises(MegatronConfigError, match=r"tp=2 with the torch.compile'd module 'model'.*pp and dp"):
+        TensorParallel(MegatronConfig(tp=2)).validate(_holder(compiled=True), None)
+
+
+def test_the_same_model_uncompiled_resolves_its_plan():
+    component = TensorParallel(MegatronConfig(tp=2))
+    component.validate(_holder(compiled=False), None)
+    assert component.plan is not None and component.plan.tp_size == 2

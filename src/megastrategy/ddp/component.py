@@ -57,6 +57,7 @@ class GradientBuffers(Component):
         self.buffer: Optional[GradientBuffer] = None
         self._ctx: Optional[SetupContext] = None
         self._optimizers: list = []
+        self._dense_named: list[tuple[str, nn.Parameter]] = []
 
     def configure(self, ctx: SetupContext) -> None:
         scaler = getattr(ctx.precision_plugin, "scaler", None)
@@ -72,6 +73,8 @@ class GradientBuffers(Component):
         self._ctx = ctx
         self.buffer = self._build(module)
         ctx.grad_buffers.insert(0, self.buffer)
+        # the parameter objects stay the same for the fit; only their requires_grad may change
+        self._dense_named = [(n, p) for n, p in module.named_parameters() if not is_expert_parameter(p)]
 
     def _build(self, module: nn.Module) -> GradientBuffer:
         c, ctx = self.config, self._require_ctx()
@@ -90,8 +93,7 @@ class GradientBuffers(Component):
         unfreezing layers): rebuild the buffer between optimizer steps (see :mod:`.trainable_set`)."""
         if not step.training or self.buffer is None:
             return
-        named = [(n, p) for n, p in module.named_parameters() if not is_expert_parameter(p)]
-        unfrozen, frozen = trainable_change(named, {id(p) for p in self.buffer.params})
+        unfrozen, frozen = trainable_change(self._dense_named, self.buffer.param_ids)
         if not unfrozen and not frozen:
             return
         if self.buffer.has_grads:
@@ -158,6 +160,7 @@ class GradientBuffers(Component):
         if self.buffer is not None:
             self.buffer.remove()
         self.buffer = None
+        self._dense_named = []
 
     def grads_visible(self) -> ContextManager:
         """Around Lightning's ``on_after_backward`` hooks: every buffer (dense and expert) as ``p.grad``."""

@@ -127,6 +127,7 @@ class GradientBuffer:
             if p.requires_grad:
                 unique.setdefault(id(p), p)
         self.params = list(unique.values())
+        self.param_ids = frozenset(unique)  # membership test for the trainable-set check, every step
         self.buffers: dict[torch.dtype, torch.Tensor] = {}
         self.buckets: list[_Bucket] = []
         self._bucket_of: dict[int, _Bucket] = {}

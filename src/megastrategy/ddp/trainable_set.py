@@ -11,7 +11,7 @@ steps), and :func:`refuse_change` says why it cannot when the optimizer holds pi
 """
 from __future__ import annotations
 
-from typing import Iterable
+from typing import AbstractSet, Iterable
 
 from torch import nn
 
@@ -20,7 +20,7 @@ from megastrategy.errors import MegatronConfigError
 __all__ = ["trainable_change", "refuse_change"]
 
 
-def trainable_change(named: Iterable[tuple[str, nn.Parameter]], buffered: set[int]) -> tuple[list[str], list[str]]:
+def trainable_change(named: Iterable[tuple[str, nn.Parameter]], buffered: AbstractSet[int]) -> tuple[list[str], list[str]]:
     """``(unfrozen, frozen)``: names of the parameters among ``named`` (outside ``buffered`` ids: now
     requiring grad; inside: no longer) whose ``requires_grad`` differs from when the buffer was built."""
     unfrozen, frozen = [], []

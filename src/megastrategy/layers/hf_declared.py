@@ -39,7 +39,7 @@ from typing import Any
 from torch import nn
 
 from megastrategy.fused_experts import is_fused_experts
-from megastrategy.layers.lora_plan import _LORA_ADVICE, _is_lora_layer, lora_members, lora_unsupported
+from megastrategy.layers.lora_plan import LORA_ADVICE, is_lora_layer, lora_members, lora_unsupported
 from megastrategy.layers.unit_types import HEAD_ATTRS, BuiltinUnit, Refusal, SizeCheck, is_hf_pretrained, is_linear_layer
 from megastrategy.naming import join_name, parent_name
 
@@ -122,8 +122,8 @@ class _Translator:
         for parent, members in self.members.items():
             self.out.units.append(self._unit(parent, members))
 
-    def _refuse(self, local: str, style: str, reason: str) -> None:
-        self.out.refused.append(Refusal(join_name(self.root_name, local), style, reason))
+    def _refuse(self, local: str, style: str, reason: str, advice: str = "") -> None:
+        self.out.refused.append(Refusal(join_name(self.root_name, local), style, reason, "declared", advice))
 
     def _module(self, local: str, style: str) -> None:
         m = self.modules[local]
@@ -141,10 +141,10 @@ class _Translator:
                 return  # tied to an embedding kept whole: the head stays whole too
             ours, extra = "vocab", {}
         name = join_name(self.root_name, local)
-        if ours in ("column", "row") and _is_lora_layer(m):
+        if ours in ("column", "row") and is_lora_layer(m):
             unsupported = lora_unsupported(m)
             if unsupported:
-                self.out.refused.append(Refusal(name, style, unsupported, "declared", _LORA_ADVICE))
+                self._refuse(local, style, unsupported, LORA_ADVICE)
             else:
                 self.members.setdefault(parent_name(name), []).extend(lora_members(name, m, ours, extra))
             return

@@ -17,13 +17,13 @@ from torch import nn
 
 from megastrategy.layers.unit_types import is_linear_layer
 
-__all__ = ["lora_members", "lora_unsupported"]
+__all__ = ["LORA_ADVICE", "is_lora_layer", "lora_members", "lora_unsupported"]
 
-_LORA_ADVICE = ("Use plain LoRA adapters on linear layers, fine-tune under pp and dp, or merge the adapters first "
-                "(model.merge_and_unload()) to shard the plain model with tp.")
+LORA_ADVICE = ("Use plain LoRA adapters on linear layers, fine-tune under pp and dp, or merge the adapters first "
+               "(model.merge_and_unload()) to shard the plain model with tp.")
 
 
-def _is_lora_layer(m: nn.Module) -> bool:
+def is_lora_layer(m: nn.Module) -> bool:
     """A PEFT LoRA layer: an ``nn.Linear`` in ``base_layer`` with adapters beside it."""
     return is_linear_layer(getattr(m, "base_layer", None)) and isinstance(getattr(m, "lora_A", None), nn.ModuleDict)
 

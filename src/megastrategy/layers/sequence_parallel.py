@@ -448,9 +448,9 @@ def _refuse_lora_adapters(path: str, stack: nn.ModuleList) -> None:
     """PEFT LoRA adapters under tp are sharded beside their base layers, but under sequence
     parallelism the whole half of each adapter would read sequence-split tensors: not reproduced
     exactly yet, so refused."""
-    from megastrategy.layers.lora_plan import _is_lora_layer
+    from megastrategy.layers.lora_plan import is_lora_layer
 
-    lora = next((f"{path}.{n}" for n, m in stack.named_modules() if _is_lora_layer(m)), None)
+    lora = next((f"{path}.{n}" for n, m in stack.named_modules() if is_lora_layer(m)), None)
     if lora is not None:
         raise MegatronConfigError(
             f"sequence_parallel=True with the PEFT LoRA layer {lora}: LoRA adapters train exactly under tp, pp and "

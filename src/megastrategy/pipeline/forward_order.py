@@ -40,6 +40,7 @@ class ForwardOrder:
     # previous block's outputs besides the hidden state (output 0), e.g. T5's ``position_bias``
     loop_state: tuple[tuple[int, str, Any, Any], ...] = ()  # (application, argument, its value, the
     # first application's): plain arguments the forward's loop changes from block to block
+    block_arity: Optional[int] = None  # a block's outputs when it returns a tuple; None: a bare tensor
 
     @property
     def reuses_blocks(self) -> bool:
@@ -94,6 +95,7 @@ def _run(twin: nn.Module, inputs: dict, prefix: str, stack_rel: str) -> Optional
 
     handles = [m.register_forward_pre_hook(on_call(n)) for n, m in twin.named_modules() if n]
     carried = _watch_carried(stack, handles)
+    arity = _watch_arity(stack, handles)
     plain_args = _watch_plain_arguments(stack, handles)
     try:
         with torch.no_grad(), torch.random.fork_rng(devices=[]):
@@ -113,7 +115,7 @@ def _run(twin: nn.Module, inputs: dict, prefix: str, stack_rel: str) -> Optional
             if where is not None:
                 called.setdefault(prefix + ".".join(parts[:depth]), set()).add(where)
     return ForwardOrder({k: frozenset(v) for k, v in called.items()}, tuple(stack_calls), tuple(sorted(carried)),
-                        _loop_state(plain_args))
+                        _loop_state(plain_args), arity[0] if arity else None)
 
 
 def block_outputs(output: Any) -> list:
@@ -171,6 +173,20 @@ def loop_state_refusal(order: Optional[ForwardOrder], stack_path: str, assignmen
                 "does not run, so it would get the wrong value. Use pp=1 for this model."
             )
     return None
+
+
+def _watch_arity(stack: nn.ModuleList, handles: list) -> list[Optional[int]]:
+    """A hook that records how many outputs the first block call returns as a tuple (``None``
+    for a bare tensor or anything else), so placeholders of skipped blocks return the same."""
+    seen: list[Optional[int]] = []
+
+    def after(block, args, output):
+        if not seen:
+            seen.append(len(output) if isinstance(output, tuple) else None)
+
+    for block in stack:
+        handles.append(block.register_forward_hook(after))
+    return seen
 
 
 def _watch_carried(stack: nn.ModuleList, handles: list) -> set[tuple[int, str]]:

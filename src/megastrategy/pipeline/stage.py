@@ -29,6 +29,7 @@ from megastrategy.batch_tree import flatten_batch, unflatten_batch
 from megastrategy.errors import MegatronConfigError
 from megastrategy.pipeline.boundary_pack import pack, unpack
 from megastrategy.pipeline.forward_order import block_outputs, meta_copy
+from megastrategy.pipeline.leading_blocks import skipped_blocks
 from megastrategy.pipeline.placement import StagePlacement
 from megastrategy.pipeline.reused_layers import ReusedLayers
 from megastrategy.pipeline.stand_in_values import mark, refuse_if_marked
@@ -48,18 +49,51 @@ class StageBoundary(BaseException):
 
 
 class LocalLayers(nn.ModuleList):
-    """This stage's blocks, registered under their indices in the full stack (``"4"``, ``"5"``...)."""
+    """This stage's blocks, registered under their indices in the full stack (``"4"``, ``"5"``...).
 
-    def __init__(self, layers: dict[int, nn.Module]):
+    ``leading``: for a chunk's view, placeholders of the blocks before the chunk (not registered,
+    :mod:`.leading_blocks`). Iterating, indexing and ``len`` see them first, so the forward's loop
+    counts blocks by their global index (``config.layer_types[i]`` picks each block's mask).
+    """
+
+    def __init__(self, layers: dict[int, nn.Module], leading: Optional[list[nn.Module]] = None):
         super().__init__()
         for index in sorted(layers):
             self.add_module(str(index), layers[index])
+        self._leading = list(leading or [])  # a list, not registered: no parameters, not in state_dict
+
+    def _view(self) -> list[nn.Module]:
+        return self._leading + list(self._modules.values())
+
+    def __len__(self) -> int:
+        return len(self._leading) + len(self._modules)
+
+    def __iter__(self):
+        return iter(self._view())
 
     def __getitem__(self, idx):
-        values = list(self._modules.values())
+        values = self._view()
         if isinstance(idx, slice):
-            return nn.ModuleList(values[idx])
+            return _LeadingView(values[idx])
         return values[idx]
+
+
+class _LeadingView(nn.ModuleList):
+    """A slice of a chunk's view (``self.layers[: config.num_hidden_layers]``), stand-ins included,
+    without registering them (so it holds exactly the parameters of the blocks it contains)."""
+
+    def __init__(self, values: list[nn.Module]):
+        super().__init__()
+        self._values = values
+
+    def __len__(self) -> int:
+        return len(self._values)
+
+    def __iter__(self):
+        return iter(self._values)
+
+    def __getitem__(self, idx):
+        return _LeadingView(self._values[idx]) if isinstance(idx, slice) else self._values[idx]
 
 
 class MetaStandIn(nn.Module):
@@ -414,6 +448,7 @@ def cut_stage(
     stack_calls: Optional[tuple[int, ...]] = None,
     carried: tuple[tuple[int, str], ...] = (),
     placement: Optional[StagePlacement] = None,
+    block_arity: Optional[int] = None,
 ) -> PipelineStage:
     """Rewrite ``module`` in place into this rank's stage and return the handle that drives it.
 
@@ -421,7 +456,8 @@ def cut_stage(
     application, when the forward reuses blocks), the applications. ``carried``: the outputs a
     block hands the next one besides the hidden state (from the dry run), sent along with it.
     ``placement``: which stage each (rank, chunk) runs (default: the ring; ZB-V's V puts the first
-    and the last stage on rank 0).
+    and the last stage on rank 0). ``block_arity``: how many outputs a block returns as a tuple
+    (``None``: a bare tensor), so the placeholders of skipped blocks return the same structure.
     """
     anatomy = anatomy or ModelAnatomy.of(module, stack_path)
     chunks = assignment[pp_rank]
@@ -434,7 +470,8 @@ def cut_stage(
 
     if stack_calls is None:
         all_layers = LocalLayers({i: stack[i] for chunk in chunks for i in chunk})
-        chunk_layers = [LocalLayers({i: stack[i] for i in chunk}) for chunk in chunks]
+        leading = skipped_blocks(stack, max(chunk[0] for chunk in chunks), block_arity)
+        chunk_layers = [LocalLayers({i: stack[i] for i in chunk}, leading[: chunk[0]]) for chunk in chunks]
         for chunk in chunks:
             stack[chunk[0]].register_forward_pre_hook(stage._pre_hook, with_kwargs=True)
             stack[chunk[-1]].register_forward_hook(stage._post_hook)

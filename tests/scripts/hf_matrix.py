@@ -111,9 +111,10 @@ class HFModule(L.LightningModule):
 
 class Recorder(Callback):
     def __init__(self):
-        self.losses, self.val_loss, self.sources = [], None, []
+        self.losses, self.val_loss, self.sources, self.numel = [], None, [], 0
 
     def on_train_start(self, trainer, pl_module):
+        self.numel = sum(p.numel() for p in pl_module.parameters())  # what rank 0 holds: shows a split
         component = getattr(trainer.strategy, "component", None)
         tensor_parallel = component and component(_tensor_parallel_type())
         if tensor_parallel is not None:
@@ -159,7 +160,7 @@ def train_one(arch: str, task: str, strategy_name: str, tp: int, pp: int, world_
         if not keep_going:
             raise
         return {"crash": f"{type(e).__name__}: {e}"[:2000]}
-    return {"loss": rec.losses, "val_loss": rec.val_loss, "sources": rec.sources}
+    return {"loss": rec.losses, "val_loss": rec.val_loss, "sources": rec.sources, "numel": rec.numel}
 
 
 def main() -> None:

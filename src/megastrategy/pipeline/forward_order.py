@@ -27,7 +27,7 @@ from torch import nn
 from megastrategy.anatomy import find_hf_model
 from megastrategy.layers.random_ids_forward import random_main_input
 
-__all__ = ["ForwardOrder", "block_outputs", "loop_state_refusal", "meta_copy", "record_forward_order"]
+__all__ = ["ForwardOrder", "MetaAttributes", "block_outputs", "loop_state_refusal", "meta_copy", "record_forward_order"]
 
 
 @dataclass(frozen=True)
@@ -57,6 +57,23 @@ def meta_copy(module: nn.Module) -> nn.Module:
     return copy.deepcopy(module, memo)
 
 
+class MetaAttributes:
+    """Mixin for a stand-in module holding ``self._meta = [meta_copy(real)]`` (a list: not a
+    submodule): what the user's forward reads off the module it replaced comes from the meta copy,
+    with meta tensors of the real shapes and dtypes. ViT's forward reads
+    ``self.embeddings.patch_embeddings.projection.weight.dtype`` on every stage, NemotronH's loop a
+    block's ``block_type``."""
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            meta = self.__dict__.get("_meta")
+            if meta is None:
+                raise
+            return getattr(meta[0], name)
+
+
 def record_forward_order(module: nn.Module, stack_path: str) -> Optional[ForwardOrder]:
     """Dry-run the Hugging Face model holding ``stack_path``; ``None`` when there is none (or it
     cannot run on the meta device), in which case registration order is used."""
@@ -74,6 +91,8 @@ def record_forward_order(module: nn.Module, stack_path: str) -> Optional[Forward
             inputs[main] = random_main_input(main, hf.config, torch.Generator()).to("meta")
         if getattr(twin, "config", None) is not None:  # the copy's own config: no pad-token check reading values
             twin.config.pad_token_id = None
+            if getattr(twin.config, "_experts_implementation", None) == "grouped_mm":  # its meta kernel wants bf16
+                twin.config._experts_implementation = "batched_mm"  # MoE blocks (DeepSeek-V3, GPT-OSS) run on meta
     except Exception:  # noqa: BLE001 - an uncopyable model keeps registration order
         return None
     return _run(twin, inputs, prefix, stack_path[len(prefix):])

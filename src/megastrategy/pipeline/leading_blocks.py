@@ -21,12 +21,12 @@ from typing import Any, Optional
 
 from torch import nn
 
-from megastrategy.pipeline.forward_order import meta_copy
+from megastrategy.pipeline.forward_order import MetaAttributes, meta_copy
 
 __all__ = ["SkippedBlock", "skipped_blocks"]
 
 
-class SkippedBlock(nn.Module):
+class SkippedBlock(MetaAttributes, nn.Module):
     """Block ``index`` on a chunk that starts after it: returns its input hidden state."""
 
     def __init__(self, index: int, real: nn.Module, arity: Optional[int]):
@@ -34,15 +34,6 @@ class SkippedBlock(nn.Module):
         self.index = index
         self.arity = arity  # None: the blocks return a bare tensor; n: a tuple of n outputs
         self._meta = [meta_copy(real)]  # a list: not registered as a submodule
-
-    def __getattr__(self, name: str) -> Any:
-        try:
-            return super().__getattr__(name)
-        except AttributeError:
-            meta = self.__dict__.get("_meta")
-            if meta is None:
-                raise
-            return getattr(meta[0], name)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         hidden = args[0] if args else next(iter(kwargs.values()), None)

@@ -28,7 +28,7 @@ from megastrategy.anatomy import ModelAnatomy, find_layer_stack, get_submodule_p
 from megastrategy.batch_tree import flatten_batch, unflatten_batch
 from megastrategy.errors import MegatronConfigError
 from megastrategy.pipeline.boundary_pack import pack, unpack
-from megastrategy.pipeline.forward_order import block_outputs, meta_copy
+from megastrategy.pipeline.forward_order import MetaAttributes, block_outputs, meta_copy
 from megastrategy.pipeline.leading_blocks import skipped_blocks
 from megastrategy.pipeline.placement import StagePlacement
 from megastrategy.pipeline.reused_layers import ReusedLayers
@@ -96,7 +96,7 @@ class _LeadingView(nn.ModuleList):
         return _LeadingView(self._values[idx]) if isinstance(idx, slice) else self._values[idx]
 
 
-class MetaStandIn(nn.Module):
+class MetaStandIn(MetaAttributes, nn.Module):
     """Replaces a module that runs before the layer stack on stages that do not own it.
 
     Its output only needs the right shape (the first local block's input is substituted), so a
@@ -157,18 +157,6 @@ class MetaStandIn(nn.Module):
     def _zeros(self, like: torch.Tensor, device: Optional[torch.device], marked: bool) -> torch.Tensor:
         zeros = torch.zeros(like.shape, dtype=like.dtype, device=device)
         return mark(zeros, [self._name]) if marked else zeros
-
-    def __getattr__(self, name: str) -> Any:
-        """What the user's forward reads off the module it replaced comes from the meta copy: the
-        same submodules and attributes, with meta tensors of the real shapes and dtypes. ViT's
-        forward reads ``self.embeddings.patch_embeddings.projection.weight.dtype`` on every stage."""
-        try:
-            return super().__getattr__(name)
-        except AttributeError:
-            meta = self.__dict__.get("_meta")
-            if meta is None:
-                raise
-            return getattr(meta[0], name)
 
 
 class _NotFlat(Exception):

@@ -7,8 +7,9 @@ import torch
 from torch import nn
 
 from megastrategy.anatomy import ModelAnatomy
+from megastrategy.pipeline.forward_order import record_forward_order
 from megastrategy.pipeline.layer_assignment import assign_layers
-from megastrategy.pipeline.leading_blocks import SkippedBlock
+from megastrategy.pipeline.leading_blocks import SkippedBlock, skipped_blocks
 from megastrategy.pipeline.stage import LocalLayers, cut_stage
 from tests.helpers.hf_zoo import tiny_model
 
@@ -17,7 +18,7 @@ PATH = "model.layers"
 
 def test_the_view_puts_placeholders_before_the_chunk_and_keeps_them_out_of_the_parameters():
     blocks = {2: nn.Linear(3, 3), 3: nn.Linear(3, 3)}
-    skipped = [SkippedBlock(i, nn.Linear(3, 3), arity=None) for i in range(2)]
+    skipped = [SkippedBlock(i, nn.Linear(3, 3), arity=0) for i in range(2)]
     view = LocalLayers(blocks, skipped)
     assert [i for i, _ in enumerate(view)] == [0, 1, 2, 3] and len(view) == 4
     assert view[2] is blocks[2] and view[0] is skipped[0] and list(view[:3])[2] is blocks[2]
@@ -25,6 +26,12 @@ def test_the_view_puts_placeholders_before_the_chunk_and_keeps_them_out_of_the_p
     x = torch.randn(2, 3)
     assert view[1](x) is x and view[1].in_features == 3  # hands its input on; attributes from a meta copy
     assert SkippedBlock(0, nn.Linear(3, 3), arity=3)(x) == (x, None, None)
+
+
+def test_without_a_dry_run_the_view_holds_the_chunks_blocks_only():
+    """A module that is not a Hugging Face model: the blocks' output structure is unknown."""
+    stack = nn.ModuleList(nn.Linear(3, 3) for _ in range(4))
+    assert skipped_blocks(stack, 2, arity=None) == [] and len(skipped_blocks(stack, 2, arity=0)) == 2
 
 
 def test_a_stage_starting_at_a_full_attention_block_uses_its_mask_not_the_first_blocks():
@@ -35,9 +42,11 @@ def test_a_stage_starting_at_a_full_attention_block_uses_its_mask_not_the_first_
     expected = full(input_ids=ids).logits
     last = copy.deepcopy(full)
     last.model.layers[0]._forward_hooks.clear()
-    anatomy = ModelAnatomy.of(last, PATH)
+    order = record_forward_order(last, PATH)  # its MoE blocks run on meta too: the blocks return a bare tensor
+    assert order is not None and order.block_arity == 0
+    anatomy = ModelAnatomy.of(last, PATH, order.called)
     stage = cut_stage(last, stack_path=PATH, stack=anatomy.stack, assignment=assign_layers(2, 2), pp_rank=1,
-                      pp_size=2, vp_size=1, anatomy=anatomy)
+                      pp_size=2, vp_size=1, anatomy=anatomy, block_arity=order.block_arity)
     stage.activate(0, hidden[0].detach())
     got = last(input_ids=ids).logits
     stage.deactivate()

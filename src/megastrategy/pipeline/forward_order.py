@@ -40,7 +40,7 @@ class ForwardOrder:
     # previous block's outputs besides the hidden state (output 0), e.g. T5's ``position_bias``
     loop_state: tuple[tuple[int, str, Any, Any], ...] = ()  # (application, argument, its value, the
     # first application's): plain arguments the forward's loop changes from block to block
-    block_arity: Optional[int] = None  # a block's outputs when it returns a tuple; None: a bare tensor
+    block_arity: Optional[int] = None  # a block's outputs when it returns a tuple, 0 for a bare tensor; None: unseen
 
     @property
     def reuses_blocks(self) -> bool:
@@ -195,13 +195,13 @@ def loop_state_refusal(order: Optional[ForwardOrder], stack_path: str, assignmen
 
 
 def _watch_arity(stack: nn.ModuleList, handles: list) -> list[Optional[int]]:
-    """A hook that records how many outputs the first block call returns as a tuple (``None``
-    for a bare tensor or anything else), so placeholders of skipped blocks return the same."""
+    """A hook that records how many outputs the first block call returns as a tuple (0 for a bare
+    tensor or anything else), so placeholders of skipped blocks return the same."""
     seen: list[Optional[int]] = []
 
     def after(block, args, output):
         if not seen:
-            seen.append(len(output) if isinstance(output, tuple) else None)
+            seen.append(len(output) if isinstance(output, tuple) else 0)
 
     for block in stack:
         handles.append(block.register_forward_hook(after))

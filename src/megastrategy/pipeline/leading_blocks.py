@@ -10,7 +10,9 @@ chunk's view starts with one :class:`SkippedBlock` per block before it.
 
 A skipped block computes nothing: it hands its hidden-state input back, in the structure the
 real blocks return (a bare tensor, or a tuple whose other entries are ``None``: the dry run of the
-forward, :mod:`.forward_order`, says which). Its value never reaches the computation: the chunk's
+forward, :mod:`.forward_order`, says which). Without a dry run (a module that is not a Hugging Face
+model, or whose forward cannot run on the meta device) nothing is known of that structure, and the
+view holds the chunk's blocks only, as before. Its value never reaches the computation: the chunk's
 first real block takes the previous stage's activation instead (its pre-hook, with what a block
 carries to the next, :mod:`.boundary_pack`). What the loop reads off a block (NemotronH's
 ``block_type``, which picks the mask) comes from a parameter-free meta copy of the real one.
@@ -29,15 +31,15 @@ __all__ = ["SkippedBlock", "skipped_blocks"]
 class SkippedBlock(MetaAttributes, nn.Module):
     """Block ``index`` on a chunk that starts after it: returns its input hidden state."""
 
-    def __init__(self, index: int, real: nn.Module, arity: Optional[int]):
+    def __init__(self, index: int, real: nn.Module, arity: int):
         super().__init__()
         self.index = index
-        self.arity = arity  # None: the blocks return a bare tensor; n: a tuple of n outputs
+        self.arity = arity  # 0: the blocks return a bare tensor; n: a tuple of n outputs
         self._meta = [meta_copy(real)]  # a list: not registered as a submodule
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         hidden = args[0] if args else next(iter(kwargs.values()), None)
-        if self.arity is None:
+        if not self.arity:
             return hidden
         return (hidden,) + (None,) * (self.arity - 1)
 
@@ -47,5 +49,6 @@ class SkippedBlock(MetaAttributes, nn.Module):
 
 def skipped_blocks(stack: nn.ModuleList, count: int, arity: Optional[int]) -> list[SkippedBlock]:
     """Placeholders for blocks ``0 .. count-1`` of ``stack``, shared by a rank's chunks (built
-    before the stage registers its hooks, so the meta copies carry none)."""
-    return [SkippedBlock(i, stack[i], arity) for i in range(count)]
+    before the stage registers its hooks, so the meta copies carry none); none when the blocks'
+    output structure is unknown (``arity`` None)."""
+    return [] if arity is None else [SkippedBlock(i, stack[i], arity) for i in range(count)]

@@ -444,8 +444,9 @@ def cut_stage(
     application, when the forward reuses blocks), the applications. ``carried``: the outputs a
     block hands the next one besides the hidden state (from the dry run), sent along with it.
     ``placement``: which stage each (rank, chunk) runs (default: the ring; ZB-V's V puts the first
-    and the last stage on rank 0). ``block_arity``: how many outputs a block returns as a tuple
-    (``None``: a bare tensor), so the placeholders of skipped blocks return the same structure.
+    and the last stage on rank 0). ``block_arity``: how many outputs a block returns as a tuple (0:
+    a bare tensor), so the placeholders of skipped blocks return the same structure; ``None``
+    (unknown, no dry run): a chunk's view holds its own blocks only.
     """
     anatomy = anatomy or ModelAnatomy.of(module, stack_path)
     chunks = assignment[pp_rank]

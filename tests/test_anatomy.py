@@ -40,6 +40,17 @@ def test_without_a_plan_the_longest_list_of_identical_blocks_is_the_stack():
     assert find_layer_stack(bert)[0] == "bert.encoder.layer"
 
 
+def test_a_list_mixing_kinds_of_blocks_is_named_with_the_fix_not_taken_silently():
+    """Jamba (no base_model_pp_plan): Mamba and attention layers in one list; pp works once it is named."""
+    from tests.helpers.hf_zoo import tiny_model
+
+    jamba = tiny_model("jamba")
+    with pytest.raises(MegatronConfigError, match="mixes JambaMambaDecoderLayer, JambaAttentionDecoderLayer") as info:
+        find_layer_stack(jamba)
+    assert "pass pipeline_layers='model.layers'" in str(info.value)
+    assert find_layer_stack(jamba, "model.layers")[1] is jamba.model.layers
+
+
 class Shared(nn.Module):
     """A norm the forward applies before and after the blocks (registered after them)."""
 

@@ -84,9 +84,23 @@ def find_layer_stack(module: nn.Module, pipeline_layers: Optional[str] = None) -
     if best is None:
         raise MegatronConfigError(
             f"{type(module).__name__} has no nn.ModuleList of identical blocks to split over pipeline stages; "
-            "keep the transformer blocks in an nn.ModuleList and pass its path as pipeline_layers='...'."
+            + (_mixed_stack_hint(module) or
+               "keep the transformer blocks in an nn.ModuleList and pass its path as pipeline_layers='...'.")
         )
     return best
+
+
+def _mixed_stack_hint(module: nn.Module) -> Optional[str]:
+    """The fix when the longest list of blocks mixes kinds (Jamba's Mamba and attention layers):
+    it is only found on request, since which list holds the blocks is then a guess."""
+    lists = [(n, m) for n, m in module.named_modules() if isinstance(m, nn.ModuleList) and len(m) > 1]
+    if not lists:
+        return None
+    name, stack = max(lists, key=lambda item: len(item[1]))
+    kinds = ", ".join(dict.fromkeys(type(b).__name__ for b in stack))
+    return (f"the longest list, {name!r}, mixes {kinds}. If those are the blocks, pass pipeline_layers={name!r} "
+            "(stages then hold different kinds of blocks, which is exact); otherwise keep the transformer blocks in "
+            "an nn.ModuleList and pass its path as pipeline_layers='...'.")
 
 
 @dataclass(frozen=True)

@@ -47,7 +47,7 @@ REFUSED_TP2 = {
 #: refused in setup at pp=2
 REFUSED_PP2 = {
     "swin:img": "input_dimensions=(4, 4)",  # the loop halves it after each downsampling stage
-    "jamba:lm": "no nn.ModuleList of identical blocks",  # Mamba and attention layers are different classes
+    "jamba:lm": "pass pipeline_layers='model.model.layers'",  # Mamba and attention layers: different classes
 }
 #: refused at pp=2, trained at tp=2: model -> plan source
 TP2_ONLY = {"jamba:lm": "declared:"}

@@ -18,7 +18,7 @@ import inspect
 
 from torch import nn
 
-__all__ = ["FUSED_EXPERT_PARAMS", "holds_unrouted_experts", "is_fused_experts", "is_routed_experts"]
+__all__ = ["FUSED_EXPERT_PARAMS", "holds_expert_weights", "holds_unrouted_experts", "is_fused_experts", "is_routed_experts"]
 
 FUSED_EXPERT_PARAMS = ("gate_up_proj", "down_proj")
 
@@ -47,6 +47,12 @@ def _expert_weights(m: nn.Module) -> list[nn.Parameter]:
     return list(own.values()) if all(p.dim() >= 2 and p.size(0) == experts for p in own.values()) else []
 
 
+def holds_expert_weights(m: nn.Module) -> bool:
+    """Any experts module, fused or not (its own ``gate_up_proj``/``down_proj`` [E, ...], every
+    own parameter per expert): tensor-parallel plans leave it whole on every rank, which is exact."""
+    return bool(_expert_weights(m))
+
+
 def is_routed_experts(m: nn.Module) -> bool:
     """Experts in another layout than the fused convention, called as
     ``experts(hidden_states, top_k_index, top_k_weights)`` (GPT-OSS)."""
@@ -57,4 +63,4 @@ def is_routed_experts(m: nn.Module) -> bool:
 def holds_unrouted_experts(m: nn.Module) -> bool:
     """Per-expert weights (``gate_up_proj``/``down_proj`` [E, ...]) in a module not called with the
     routing (Llama 4's experts take the tokens only): expert parallelism cannot split it."""
-    return bool(_expert_weights(m)) and not is_fused_experts(m) and not is_routed_experts(m)
+    return holds_expert_weights(m) and not is_fused_experts(m) and not is_routed_experts(m)

@@ -77,3 +77,12 @@ def test_declared_parameter_keys_are_refused():
     model._tp_plan = dict(model._tp_plan, **{"model.layers.*.mlp.up_proj.weight": "colwise"})
     with pytest.raises(MegatronConfigError, match=r"'model\.layers\.0\.mlp\.up_proj\.weight'.*names a parameter"):
         resolve_tp_plan(model, None, 2)
+
+
+def test_experts_of_any_layout_stay_whole_where_the_declaration_names_their_parameters():
+    """Llama 4 declares 'packed_rowwise' on its experts' bare [E, H, 2F] parameter: kept whole (exact),
+    as fused experts are; its attention and shared expert are sharded as declared."""
+    plan = resolve_tp_plan(tiny_model("llama4_text"), None, 2)
+    assert not any(".experts" in e.name for e in plan.sharded)
+    assert plan["model.layers.1.feed_forward.shared_expert.up_proj"].style == "column"
+    assert plan["model.layers.0.self_attn.o_proj"].style == "row"

@@ -34,14 +34,14 @@ MORE = {
 #: 2025-2026 decoders, trained at tp2 and pp2 like MORE (they declare plans): DeepSeek-V3 (latent attention,
 #: shared experts, a dense first layer), GPT-OSS (sinks, sliding/full layers: at pp each stage must use its
 #: blocks' own masks), Qwen3-Next/Qwen3.5 (gated DeltaNet between full attention), NemotronH (Mamba2 + attention),
-#: LFM2 (short convolutions), GLM4-MoE, Ernie4.5(-MoE), Ministral3, OLMo3
+#: LFM2 (short convolutions), GLM4-MoE, Ernie4.5(-MoE), Ministral3, OLMo3, Llama 4 (chunked attention, no-rope
+#: layers; its experts, declared 'packed_rowwise' on bare 3-D parameters, stay whole under tp like fused ones)
 MORE.update({f"{a}:lm": "declared:" for a in (
-    "deepseek_v3", "gpt_oss", "qwen3_next", "qwen3_5_text", "nemotron_h", "lfm2", "glm4_moe", "ernie4_5_moe",
+    "deepseek_v3", "gpt_oss", "llama4_text", "qwen3_next", "qwen3_5_text", "nemotron_h", "lfm2", "glm4_moe", "ernie4_5_moe",
     "ernie4_5", "ministral3", "olmo3")})
 #: refused in setup at tp=2 (the launch goes on): model -> what the message must say
 REFUSED_TP2 = {
     "gpt_bigcode:lm": "cannot tell how the packed projection",  # multi-query packing
-    "llama4_text:lm": "'packed_rowwise'",  # its declared plan splits the experts' bare 3-D parameters
     "mamba2:lm": "cannot tell how the packed projection",  # in_proj packs z, x|B|C and dt
 }
 #: refused in setup at pp=2
@@ -60,7 +60,7 @@ MODELS = (
     + ["whisper:asr", "swin:img"] + list(MORE) + list(TP2_ONLY)
 )
 #: refused at tp=2, trained at pp=2: model -> plan source (computed at tp=1 too; "" for none: Mamba2 has no plan)
-PP2_ONLY = {"gpt_bigcode:lm": "structural:", "llama4_text:lm": "declared:", "mamba2:lm": ""}
+PP2_ONLY = {"gpt_bigcode:lm": "structural:", "mamba2:lm": ""}
 PP2_MODELS = list(MORE) + list(PP2_ONLY)
 TOL = 2e-4
 

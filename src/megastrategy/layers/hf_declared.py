@@ -38,7 +38,7 @@ from typing import Any
 
 from torch import nn
 
-from megastrategy.fused_experts import is_fused_experts
+from megastrategy.fused_experts import holds_expert_weights, is_fused_experts
 from megastrategy.layers.lora_plan import LORA_ADVICE, is_lora_layer, lora_members, lora_unsupported
 from megastrategy.layers.unit_types import HEAD_ATTRS, BuiltinUnit, Refusal, SizeCheck, is_hf_pretrained, is_linear_layer
 from megastrategy.naming import join_name, parent_name
@@ -110,8 +110,9 @@ class _Translator:
         self.members: dict[str, list[tuple[str, str, dict[str, Any]]]] = {}
 
     def run(self, plan: dict[str, str]) -> None:
-        # fused experts stay whole on every TP rank (exact); expert parallelism splits them over ep
-        fused = {n for n, m in self.modules.items() if n and is_fused_experts(m)}
+        # experts stay whole on every TP rank (exact): fused ones, GPT-OSS's, and Llama 4's, whose declared
+        # 'packed_rowwise' on a bare 3-D parameter has no exact equivalent here; expert parallelism splits them
+        fused = {n for n, m in self.modules.items() if n and (is_fused_experts(m) or holds_expert_weights(m))}
         for key, style in plan.items():
             pattern = _key_regex(key)
             for local in [n for n in self.modules if n and pattern.match(n) and n not in fused]:

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from megastrategy.fused_experts import is_fused_experts
+from megastrategy.fused_experts import is_fused_experts, is_routed_experts
 from megastrategy.layers.plan import ResolvedPlan, resolve_tp_plan
 from megastrategy.layers.plan.module_names import globify
 from megastrategy.layers.shard_spec import padded_size_for
@@ -101,7 +101,7 @@ def _replicated_names(plan: ResolvedPlan) -> list[str]:
 def _experts_lines(module: nn.Module, ep: int) -> tuple[list[str], int]:
     """Hugging Face fused experts (whole under TP, split over ``ep``): the report's line, and the
     elements a rank does not hold because of ``ep``."""
-    experts = [(n, m) for n, m in module.named_modules() if is_fused_experts(m)]
+    experts = [(n, m) for n, m in module.named_modules() if is_fused_experts(m) or is_routed_experts(m)]
     if not experts:
         return [], 0
     numel = sum(p.numel() for _, m in experts for p in m.parameters())

@@ -18,17 +18,18 @@ from torch.utils.data import DataLoader, IterableDataset
 from tests.helpers.models import GPT, TokenDataset, VOCAB
 
 
-def strategy(args):
+def strategy(args, **ddp):
     if args.strategy == "ddp":
-        return DDPStrategy()
+        return DDPStrategy(**ddp)
     from megastrategy import MegatronStrategy
 
     return MegatronStrategy(tp=args.tp, pp=args.pp, tp_plan=GPT.TP_PLAN if args.tp > 1 else None)
 
 
-def trainer(args, callbacks=(), **kw) -> L.Trainer:
-    """A quiet Trainer on all processes; ``kw`` overrides (max_steps, logger, checkpointing...)."""
-    base = dict(accelerator="cpu", devices=args.devices, strategy=strategy(args), logger=False,
+def trainer(args, callbacks=(), ddp=None, **kw) -> L.Trainer:
+    """A quiet Trainer on all processes; ``kw`` overrides (max_steps, logger, checkpointing...),
+    ``ddp`` are DDPStrategy's keywords."""
+    base = dict(accelerator="cpu", devices=args.devices, strategy=strategy(args, **(ddp or {})), logger=False,
                 enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                 num_sanity_val_steps=0, limit_val_batches=2)
     base.update(kw)
@@ -131,9 +132,164 @@ class TwoOptimizerGPT(GPT):
 
 def two_optimizers(args, workdir):
     module = TwoOptimizerGPT()
-    t = trainer(args, max_steps=6, limit_val_batches=0)  # 2 optimizer steps per batch
+    t = trainer(args, ddp={"find_unused_parameters": True}, max_steps=6, limit_val_batches=0)  # 2 optimizer steps per batch
     t.fit(module, DataLoader(TokenDataset(64), batch_size=8 // args.dp))
     return {"losses": [x for pair in module.record for x in pair]}
+
+
+# ---------------------------------------------------------------- 3. accumulation schedule
+def accumulation_schedule(args, workdir):
+    from lightning.pytorch.callbacks import GradientAccumulationScheduler
+
+    losses = StepLosses()
+    t = trainer(args, [losses, GradientAccumulationScheduler(scheduling={0: 1, 1: 2})], max_epochs=2, limit_val_batches=0)
+    t.fit(GPT(batch_size=8 // args.dp, n_train=32))
+    return {"losses": losses.losses, "global_step": t.global_step}
+
+
+# ---------------------------------------------------------------- 4. save_last, resume from "last"
+def resume_last(args, workdir):
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    def run(max_steps, ckpt_path=None):
+        losses = StepLosses()
+        every = ModelCheckpoint(dirpath=workdir / "ckpt", save_last=True, every_n_train_steps=2)
+        t = trainer(args, [losses, every], max_steps=max_steps, enable_checkpointing=True, limit_val_batches=0)
+        t.fit(GPT(batch_size=8 // args.dp), ckpt_path=ckpt_path)
+        return losses.losses, t.global_step
+
+    first, _ = run(4)
+    resumed, step = run(7, ckpt_path="last")
+    return {"losses": first + resumed, "global_step": step, "files": sorted(p.name for p in (workdir / "ckpt").iterdir())}
+
+
+# ---------------------------------------------------------------- 5. a dict of training loaders
+class DictLoadersGPT(GPT):
+    def train_dataloader(self):
+        return {"a": DataLoader(TokenDataset(32), batch_size=self.batch_size),
+                "b": DataLoader(TokenDataset(16, seed=3), batch_size=self.batch_size)}
+
+    def training_step(self, batch, batch_idx):
+        loss = self.compute_loss(batch["a"]) + 0.5 * self.compute_loss(batch["b"])
+        self.log("train_loss", loss)
+        return loss
+
+
+def dict_loaders(args, workdir):
+    losses = StepLosses()
+    t = trainer(args, [losses], max_steps=5, limit_val_batches=0)
+    t.fit(DictLoadersGPT(batch_size=8 // args.dp))
+    return {"losses": losses.losses}
+
+
+# ---------------------------------------------------------------- 6. BatchNorm
+class Images(torch.utils.data.Dataset):
+    def __init__(self, n: int, seed: int = 3) -> None:
+        g = torch.Generator().manual_seed(seed)
+        self.x, self.y = torch.randn(n, 3, 8, 8, generator=g) * 2 + 1, torch.randint(0, 3, (n,), generator=g)
+
+    def __len__(self):
+        return len(self.y)
+
+    def __getitem__(self, i):
+        return self.x[i], self.y[i]
+
+
+class ConvNet(L.LightningModule):
+    """A small conv net with BatchNorm: its running statistics are buffers, updated by each forward."""
+
+    def __init__(self, batch_size: int) -> None:
+        super().__init__()
+        self.batch_size = batch_size
+        nn = torch.nn
+        self.features = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(),
+                                      nn.Conv2d(8, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU())
+        self.head = nn.Sequential(nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 3))
+
+    def forward(self, x):
+        return self.head(self.features(x))
+
+    def training_step(self, batch, batch_idx):
+        return F.cross_entropy(self(batch[0]), batch[1])
+
+    def validation_step(self, batch, batch_idx):
+        self.log("val_loss", F.cross_entropy(self(batch[0]), batch[1]), sync_dist=True)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    def train_dataloader(self):
+        return DataLoader(Images(64), batch_size=self.batch_size)
+
+    def val_dataloader(self):
+        return DataLoader(Images(32, seed=4), batch_size=self.batch_size)
+
+
+def batch_norm(args, workdir):
+    losses, module = StepLosses(), ConvNet(8 // args.dp)
+    t = trainer(args, [losses], max_steps=5, val_check_interval=5, limit_val_batches=2)
+    t.fit(module)
+    stats = {n: b.tolist() for n, b in module.named_buffers() if "running" in n}
+    every = [None] * dist.get_world_size()
+    dist.all_gather_object(every, stats)
+    return {"losses": losses.losses, "val_loss": float(t.callback_metrics["val_loss"]), "buffers": every}
+
+
+# ---------------------------------------------------------------- 7. SWA, a user-kept EMA
+def swa(args, workdir):
+    from lightning.pytorch.callbacks import StochasticWeightAveraging
+
+    losses, module = StepLosses(), GPT(batch_size=8 // args.dp, n_train=32)
+    t = trainer(args, [losses, StochasticWeightAveraging(swa_lrs=1e-2, swa_epoch_start=1)], max_epochs=3, limit_val_batches=2)
+    t.fit(module)
+    return {"losses": losses.losses, "val_after": t.validate(module, verbose=False)}
+
+
+class EmaGPT(GPT):
+    """Keeps an exponential moving average of its blocks, made in ``__init__`` (``when="init"``) or
+    when training starts, updated after every batch; validates with the averaged blocks after fit."""
+
+    def __init__(self, when: str, **kw) -> None:
+        super().__init__(**kw)
+        self.when = when
+        if when == "init":
+            self.ema = self._average()
+
+    def _average(self):
+        from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
+
+        return AveragedModel(self.blocks, multi_avg_fn=get_ema_multi_avg_fn(0.5))
+
+    def on_train_start(self):
+        if self.when == "train_start":
+            self.ema = self._average()
+
+    def on_train_batch_end(self, outputs, batch, batch_idx):
+        self.ema.update_parameters(self.blocks)
+
+    def on_train_end(self):
+        with torch.no_grad():
+            for mine, averaged in zip(self.blocks.parameters(), self.ema.module.parameters()):
+                mine.copy_(averaged)
+
+
+def _ema(when):
+    def run(args, workdir):
+        losses, module = StepLosses(), EmaGPT(when, batch_size=8 // args.dp)
+        t = trainer(args, [losses], max_steps=4, limit_val_batches=2)
+        t.fit(module)
+        return {"losses": losses.losses, "val_after": t.validate(module, verbose=False)}
+
+    return run
+
+
+# ---------------------------------------------------------------- 8. the learning-rate finder
+def lr_find(args, workdir):
+    from lightning.pytorch.tuner import Tuner
+
+    t = trainer(args, max_epochs=1, default_root_dir=str(workdir))
+    found = Tuner(t).lr_find(GPT(batch_size=8 // args.dp), min_lr=1e-4, max_lr=1.0, num_training=8, early_stop_threshold=None)
+    return {"losses": [float(x) for x in found.results["loss"]], "suggestion": found.suggestion()}
 
 
 HABITS = {
@@ -142,4 +298,12 @@ HABITS = {
     "iter-sampler-kwargs": _iterable("sampler_kwargs"),
     "iter-unsharded": _iterable("none"),
     "two-optimizers": two_optimizers,
+    "accumulation-schedule": accumulation_schedule,
+    "resume-last": resume_last,
+    "dict-loaders": dict_loaders,
+    "swa": swa,
+    "ema-init": _ema("init"),
+    "ema-train-start": _ema("train_start"),
+    "lr-find": lr_find,
+    "batch-norm": batch_norm,
 }

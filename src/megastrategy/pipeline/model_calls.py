@@ -54,6 +54,12 @@ class ModelCalls:
             else:
                 module.forward = _CallThrough(self, module.forward, name or type(module).__name__)
 
+    def __deepcopy__(self, memo: dict) -> "ModelCalls":
+        """Shared, not copied: a deep copy of a stage's module (an ``AveragedModel`` made for an EMA,
+        the copy ``StochasticWeightAveraging`` averages into) routes its calls through the same
+        per-thread modes, and a ``threading.local`` cannot be copied anyway."""
+        return self
+
     def _state(self) -> Any:
         state = self._local
         if not hasattr(state, "mode"):

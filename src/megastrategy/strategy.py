@@ -24,6 +24,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from torch import nn
 
 from megastrategy import all_components as parts
+from megastrategy.averaged_copies import copy_sharded_for_swa, refuse_unsharded_averaged_models
 from megastrategy.checkpoint.strategy_methods import CheckpointMethods
 from megastrategy.component import Component, Environment, SetupContext
 from megastrategy.component_list import ComponentList
@@ -141,6 +142,7 @@ class MegatronStrategy(LightningStepMethods, CheckpointMethods, ReplicaCollectiv
         if not any(True for _ in module.parameters()):
             return  # built in configure_model(); validated in setup()
         self.components.each("validate", module, self.layout)
+        refuse_unsharded_averaged_models(module, self.config.tp, self.config.pp)
         self._model_validated = True
 
     @property
@@ -175,6 +177,7 @@ class MegatronStrategy(LightningStepMethods, CheckpointMethods, ReplicaCollectiv
         self.precision_plugin.convert_module(self.model)
         self.model_to_device()
         if trainer.state.fn == TrainerFn.FITTING:
+            copy_sharded_for_swa(trainer, module)
             self._setup_gradients(trainer, module)
         self.setup_precision_plugin()
         adopt_precision_plugin(self.precision_plugin, clip_norm=self.grad_buffers.clip_grad_norm,

@@ -247,7 +247,7 @@ def swa(args, workdir):
 
 class EmaGPT(GPT):
     """Keeps an exponential moving average of its blocks, made in ``__init__`` (``when="init"``) or
-    when training starts, updated after every batch; validates with the averaged blocks after fit."""
+    in ``on_fit_start``, updated after every batch; validates with the averaged blocks after fit."""
 
     def __init__(self, when: str, **kw) -> None:
         super().__init__(**kw)
@@ -260,8 +260,8 @@ class EmaGPT(GPT):
 
         return AveragedModel(self.blocks, multi_avg_fn=get_ema_multi_avg_fn(0.5))
 
-    def on_train_start(self):
-        if self.when == "train_start":
+    def on_fit_start(self):
+        if self.when == "fit_start":
             self.ema = self._average()
 
     def on_train_batch_end(self, outputs, batch, batch_idx):
@@ -303,7 +303,7 @@ HABITS = {
     "dict-loaders": dict_loaders,
     "swa": swa,
     "ema-init": _ema("init"),
-    "ema-train-start": _ema("train_start"),
+    "ema-fit-start": _ema("fit_start"),
     "lr-find": lr_find,
     "batch-norm": batch_norm,
 }

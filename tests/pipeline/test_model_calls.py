@@ -62,3 +62,17 @@ def test_the_wrapped_forward_keeps_its_signature():
     outer, _ = _model()
     ModelCalls([("model", outer)])
     assert list(inspect.signature(outer.forward).parameters) == ["x"]
+
+
+def test_a_deep_copy_of_a_routed_module_shares_the_routing_and_runs_its_own_weights():
+    """An EMA's ``AveragedModel`` or SWA's copy deep-copies a stage's module: the copy must not try
+    to copy the per-thread modes (a ``threading.local``), and its forward is its own."""
+    import copy
+
+    lin = nn.Linear(2, 2)
+    calls = ModelCalls([("", lin)])
+    twin = copy.deepcopy(lin)
+    with torch.no_grad():
+        twin.weight.zero_(), twin.bias.fill_(1.0)
+    assert twin.forward.calls is calls and twin(torch.ones(2)).tolist() == [1.0, 1.0]
+    assert lin(torch.ones(2)).tolist() != [1.0, 1.0]

@@ -169,21 +169,34 @@ def resume_last(args, workdir):
 
 # ---------------------------------------------------------------- 5. a dict of training loaders
 class DictLoadersGPT(GPT):
+    """``{"a": ..., "b": ...}`` training loaders (CombinedLoader, "max_size_cycle"); the step runs the
+    model on each batch (``joined=False``) or once on both joined along the batch (``joined=True``)."""
+
+    def __init__(self, joined: bool, **kw) -> None:
+        super().__init__(**kw)
+        self.joined = joined
+
     def train_dataloader(self):
         return {"a": DataLoader(TokenDataset(32), batch_size=self.batch_size),
                 "b": DataLoader(TokenDataset(16, seed=3), batch_size=self.batch_size)}
 
     def training_step(self, batch, batch_idx):
-        loss = self.compute_loss(batch["a"]) + 0.5 * self.compute_loss(batch["b"])
+        if self.joined:
+            loss = self.compute_loss({"input_ids": torch.cat([batch["a"]["input_ids"], batch["b"]["input_ids"]])})
+        else:
+            loss = self.compute_loss(batch["a"]) + 0.5 * self.compute_loss(batch["b"])
         self.log("train_loss", loss)
         return loss
 
 
-def dict_loaders(args, workdir):
-    losses = StepLosses()
-    t = trainer(args, [losses], max_steps=5, limit_val_batches=0)
-    t.fit(DictLoadersGPT(batch_size=8 // args.dp))
-    return {"losses": losses.losses}
+def _dict_loaders(joined):
+    def run(args, workdir):
+        losses = StepLosses()
+        t = trainer(args, [losses], max_steps=5, limit_val_batches=0)
+        t.fit(DictLoadersGPT(joined, batch_size=8 // args.dp))
+        return {"losses": losses.losses}
+
+    return run
 
 
 # ---------------------------------------------------------------- 6. BatchNorm
@@ -304,7 +317,8 @@ HABITS = {
     "two-optimizers": two_optimizers,
     "accumulation-schedule": accumulation_schedule,
     "resume-last": resume_last,
-    "dict-loaders": dict_loaders,
+    "dict-loaders": _dict_loaders(False),
+    "dict-loaders-joined": _dict_loaders(True),
     "swa": swa,
     "ema-init": _ema("init"),
     "ema-fit-start": _ema("fit_start"),

@@ -18,18 +18,18 @@ from torch.utils.data import DataLoader, IterableDataset
 from tests.helpers.models import GPT, TokenDataset, VOCAB
 
 
-def strategy(args, **ddp):
+def strategy(args, plan=GPT.TP_PLAN, **ddp):
     if args.strategy == "ddp":
         return DDPStrategy(**ddp)
     from megastrategy import MegatronStrategy
 
-    return MegatronStrategy(tp=args.tp, pp=args.pp, tp_plan=GPT.TP_PLAN if args.tp > 1 else None)
+    return MegatronStrategy(tp=args.tp, pp=args.pp, tp_plan=plan if args.tp > 1 else None)
 
 
-def trainer(args, callbacks=(), ddp=None, **kw) -> L.Trainer:
+def trainer(args, callbacks=(), ddp=None, plan=GPT.TP_PLAN, **kw) -> L.Trainer:
     """A quiet Trainer on all processes; ``kw`` overrides (max_steps, logger, checkpointing...),
-    ``ddp`` are DDPStrategy's keywords."""
-    base = dict(accelerator="cpu", devices=args.devices, strategy=strategy(args, **(ddp or {})), logger=False,
+    ``ddp`` are DDPStrategy's keywords, ``plan`` the tp_plan (the GPT's by default)."""
+    base = dict(accelerator="cpu", devices=args.devices, strategy=strategy(args, plan, **(ddp or {})), logger=False,
                 enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                 num_sanity_val_steps=0, limit_val_batches=2)
     base.update(kw)
@@ -242,9 +242,19 @@ class ConvNet(L.LightningModule):
         return DataLoader(Images(32, seed=4), batch_size=self.batch_size)
 
 
-def batch_norm(args, workdir):
+def _batch_norm(accumulate: int):
+    def run(args, workdir):
+        return batch_norm(args, accumulate)
+
+    return run
+
+
+def batch_norm(args, accumulate: int):
+    """Rank 0's checkpointed statistics and every rank's validation statistics follow rank 0 under
+    DDP (``broadcast_buffers``); the report holds every rank's buffers after fit."""
     losses, module = StepLosses(), ConvNet(8 // args.dp)
-    t = trainer(args, [losses], max_steps=5, val_check_interval=5, limit_val_batches=2)
+    t = trainer(args, [losses], plan=None, max_steps=4, val_check_interval=2 * accumulate, limit_val_batches=2,
+                accumulate_grad_batches=accumulate)
     t.fit(module)
     stats = {n: b.tolist() for n, b in module.named_buffers() if "running" in n}
     every = [None] * dist.get_world_size()
@@ -323,5 +333,6 @@ HABITS = {
     "ema-init": _ema("init"),
     "ema-fit-start": _ema("fit_start"),
     "lr-find": lr_find,
-    "batch-norm": batch_norm,
+    "batch-norm": _batch_norm(1),
+    "batch-norm-accumulate": _batch_norm(2),
 }

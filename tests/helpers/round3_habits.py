@@ -162,6 +162,8 @@ def resume_last(args, workdir):
         t.fit(GPT(batch_size=8 // args.dp), ckpt_path=ckpt_path)
         return losses.losses, t.global_step
 
+    if getattr(args, "straight", False):
+        return {"losses": run(7)[0]}
     first, _ = run(4)
     resumed, step = run(7, ckpt_path="last")
     return {"losses": first + resumed, "global_step": step, "files": sorted(p.name for p in (workdir / "ckpt").iterdir())}
@@ -327,6 +329,7 @@ HABITS = {
     "two-optimizers": two_optimizers,
     "accumulation-schedule": accumulation_schedule,
     "resume-last": resume_last,
+    "straight-7": lambda args, workdir: resume_last(type(args)(**vars(args), straight=True), workdir),
     "dict-loaders": _dict_loaders(False),
     "dict-loaders-joined": _dict_loaders(True),
     "swa": swa,

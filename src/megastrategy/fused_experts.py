@@ -5,6 +5,12 @@ transformers 5.x keeps a sparse block's experts in one module with two 3-D param
 ``experts(hidden_states, top_k_index, top_k_weights)``. Tensor-parallel plans leave such a module
 whole (every TP rank computes the same thing, which is exact); expert parallelism
 (:mod:`megastrategy.moe.hf_experts`) splits it over ``ep``.
+
+Other layouts of routed experts (GPT-OSS: ``gate_up_proj`` [E, H, 2F] with biases, gate and up
+interleaved, a clamped activation) are called the same way: :func:`is_routed_experts` finds them,
+and expert parallelism runs the module's own code on the rank's experts. Experts that are not
+called with the routing (Llama 4's run every expert on every token, scaled beforehand) cannot be
+split by expert: :func:`holds_unrouted_experts` finds them, to be refused under ``ep > 1``.
 """
 from __future__ import annotations
 
@@ -12,7 +18,7 @@ import inspect
 
 from torch import nn
 
-__all__ = ["FUSED_EXPERT_PARAMS", "is_fused_experts"]
+__all__ = ["FUSED_EXPERT_PARAMS", "holds_unrouted_experts", "is_fused_experts", "is_routed_experts"]
 
 FUSED_EXPERT_PARAMS = ("gate_up_proj", "down_proj")
 
@@ -28,3 +34,27 @@ def is_fused_experts(m: nn.Module) -> bool:
     if tuple(down.shape[1:]) != (h, two_f // 2) or two_f % 2:
         return False
     return len(inspect.signature(m.forward).parameters) == 3
+
+
+def _expert_weights(m: nn.Module) -> list[nn.Parameter]:
+    """``m``'s own parameters when it holds ``gate_up_proj`` and ``down_proj`` as 3-D tensors over
+    the same number of experts and every other one of its parameters is per expert too; else []."""
+    own = dict(m.named_parameters(recurse=False))
+    gate_up, down = (own.get(n) for n in FUSED_EXPERT_PARAMS)
+    if gate_up is None or down is None or gate_up.dim() != 3 or down.dim() != 3 or getattr(m, "expert_parallel", False):
+        return []
+    experts = gate_up.size(0)
+    return list(own.values()) if all(p.dim() >= 2 and p.size(0) == experts for p in own.values()) else []
+
+
+def is_routed_experts(m: nn.Module) -> bool:
+    """Experts in another layout than the fused convention, called as
+    ``experts(hidden_states, top_k_index, top_k_weights)`` (GPT-OSS)."""
+    return (not is_fused_experts(m) and bool(_expert_weights(m))
+            and len(inspect.signature(m.forward).parameters) == 3)
+
+
+def holds_unrouted_experts(m: nn.Module) -> bool:
+    """Per-expert weights (``gate_up_proj``/``down_proj`` [E, ...]) in a module not called with the
+    routing (Llama 4's experts take the tokens only): expert parallelism cannot split it."""
+    return bool(_expert_weights(m)) and not is_fused_experts(m) and not is_routed_experts(m)

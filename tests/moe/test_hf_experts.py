@@ -1,4 +1,5 @@
-"""Hugging Face MoE decoders with fused experts (Mixtral, Qwen3-MoE, OLMoE) under expert parallelism.
+"""Hugging Face MoE decoders under expert parallelism: fused experts (Mixtral, Qwen3-MoE, OLMoE,
+DeepSeek-V3) and GPT-OSS's experts in their own layout.
 
 Unit level: the fused-experts module is recognised, refused clearly when ``ep`` or ``etp`` cannot
 split it, and its expert-parallel slice computes what Hugging Face's own loop computes. With real
@@ -15,7 +16,9 @@ import pytest
 import torch
 
 from megastrategy.errors import MegatronConfigError
-from megastrategy.moe.hf_experts import FusedExpertsParallel, fused_experts, is_fused_experts, validate_fused_experts
+from megastrategy.moe.hf_experts import (
+    FusedExpertsParallel, RoutedExpertsParallel, fused_experts, is_fused_experts, validate_fused_experts,
+)
 from megastrategy.parallel_state import ParallelLayout
 from tests.helpers.launch import run_script
 
@@ -63,17 +66,50 @@ def test_the_parallel_slice_computes_hugging_face_experts_on_one_rank():
         torch.testing.assert_close(a, b)
 
 
+def test_gpt_oss_experts_in_their_own_layout_run_their_own_code_on_the_ranks_slice():
+    """GPT-OSS: gate_up_proj [E, H, 2F] with biases, gate/up interleaved, a clamped activation."""
+    from tests.helpers.hf_zoo import tiny_model
+
+    torch.manual_seed(0)
+    experts = tiny_model("gpt_oss").model.layers[0].mlp.experts
+    for p in experts.parameters():
+        torch.nn.init.normal_(p, std=0.3)
+    assert [n for n, _ in fused_experts(experts)] == [""]
+    ours = RoutedExpertsParallel(experts, ep_group=None)
+    assert [n for n, _ in ours.named_parameters()] == [n for n, _ in experts.named_parameters()]
+    x = torch.randn(6, 32, requires_grad=True)
+    index = torch.tensor([[0, 1], [2, 3], [1, 2], [3, 0], [0, 2], [1, 3]])
+    weights = torch.rand(6, 2).softmax(-1)
+    expected, got = experts(x, index, weights), ours(x, index, weights)
+    torch.testing.assert_close(got, expected)
+    grad_ref = torch.autograd.grad(expected.square().sum(), [x, *experts.parameters()])
+    grad_ours = torch.autograd.grad(got.square().sum(), [x, *ours.parameters()])
+    for a, b in zip(grad_ours, grad_ref):
+        torch.testing.assert_close(a, b)
+
+
+def test_experts_that_run_on_every_token_are_refused_under_ep_not_left_whole():
+    """Llama 4's experts take the tokens only (every expert on every token, scaled beforehand)."""
+    from tests.helpers.hf_zoo import tiny_model
+
+    with pytest.raises(MegatronConfigError, match="not called with the routing") as info:
+        validate_fused_experts(tiny_model("llama4_text"), ParallelLayout(world_size=2, ep=2))
+    assert "'model.layers.1.feed_forward.experts' (Llama4TextExperts)" in str(info.value) and "Use ep=1" in str(info.value)
+
+
 @lru_cache(maxsize=None)
 def _run(strategy: str, nprocs: int, *extra: str) -> dict:
     return run_script(SCRIPT, nprocs, ["--strategy", strategy, *extra], timeout=600)
 
 
 LAYOUTS = {"ep2": (2, ("--ep", "2")), "tp2-ep2": (4, ("--tp", "2", "--ep", "2"))}  # dense dp = 2 in both
+#: their declared tensor-parallel plans leave the attention whole (GPT-OSS: the embedding only; DeepSeek-V3: the MLPs)
+ATTENTION_WHOLE = ("gpt_oss", "deepseek_v3")
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
-@pytest.mark.parametrize("arch", ["mixtral", "qwen3_moe", "olmoe"])
+@pytest.mark.parametrize("arch", ["mixtral", "qwen3_moe", "olmoe", "gpt_oss", "deepseek_v3"])
 def test_hugging_face_moe_trains_as_under_ddp_and_its_checkpoint_consolidates(arch, layout):
     from megastrategy.checkpoint.consolidate import consolidate
 
@@ -81,7 +117,8 @@ def test_hugging_face_moe_trains_as_under_ddp_and_its_checkpoint_consolidates(ar
     ours, ref = _run("megatron", nprocs, *extra)[arch], _run("ddp", 2)[arch]
     assert ours["local_experts"][0][0] == 2 and ref["local_experts"][0][0] == 4, "the experts were not split"
     tp = 2 if "--tp" in extra else 1
-    assert ours["q_proj"][0][0] * tp == ref["q_proj"][0][0], "the attention was not split over tp"
+    split = 1 if arch in ATTENTION_WHOLE else tp
+    assert [s[0] * split for s in ours["q_proj"]] == [s[0] for s in ref["q_proj"]], "the attention was not split as declared"
     assert len(ours["losses"]) == len(ref["losses"]) == 4
     assert ref["losses"][0] != ref["losses"][-1], "the reference did not train"
     diff = max(abs(a - b) for a, b in zip(ours["losses"], ref["losses"]))

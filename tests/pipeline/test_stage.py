@@ -25,7 +25,8 @@ def _stage(model, pp_rank: int):
     assert order.carried == ((1, "position_bias"),)
     anatomy = ModelAnatomy.of(model, PATH, order.called)
     return cut_stage(model, stack_path=PATH, stack=anatomy.stack, assignment=assign_layers(4, 2), pp_rank=pp_rank,
-                     pp_size=2, vp_size=1, anatomy=anatomy, carried=order.carried)
+                     pp_size=2, vp_size=1, anatomy=anatomy, carried=order.carried,
+                     block_arity=order.block_arity)
 
 
 def test_position_bias_crosses_the_boundary_and_gets_its_gradient():

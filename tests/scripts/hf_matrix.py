@@ -4,7 +4,7 @@ the per-step training losses, the validation loss and the plan's sources to ``--
 Each model sits in an ordinary LightningModule whose ``forward`` passes ``labels=`` so the loss
 is computed inside the Hugging Face model. Launched by tests/helpers/launch.py:
 ``--strategy ddp`` on one process (the one-device reference) or ``--strategy megatron --tp 2``
-(or ``--pp 2``). Inputs follow the task (tokens, pixels, a waveform, mel features).
+(or ``--pp 2``; or ``--ep 2`` for MoE models, against DDP on the same two processes). Inputs follow the task (tokens, pixels, a waveform, mel features).
 A model the strategy refuses (a clear ``MegatronConfigError`` on every rank in setup) is
 recorded with its message and the launch goes on with the next model.
 """
@@ -111,9 +111,10 @@ class HFModule(L.LightningModule):
 
 class Recorder(Callback):
     def __init__(self):
-        self.losses, self.val_loss, self.sources = [], None, []
+        self.losses, self.val_loss, self.sources, self.numel = [], None, [], 0
 
     def on_train_start(self, trainer, pl_module):
+        self.numel = sum(p.numel() for p in pl_module.parameters())  # what rank 0 holds: shows a split
         component = getattr(trainer.strategy, "component", None)
         tensor_parallel = component and component(_tensor_parallel_type())
         if tensor_parallel is not None:
@@ -134,7 +135,7 @@ def _tensor_parallel_type():
 
 
 def train_one(arch: str, task: str, strategy_name: str, tp: int, pp: int, world_size: int,
-              keep_going: bool = False) -> dict:
+              keep_going: bool = False, ep: int = 1) -> dict:
     from megastrategy.errors import MegatronConfigError
 
     L.seed_everything(0, verbose=False)
@@ -144,7 +145,7 @@ def train_one(arch: str, task: str, strategy_name: str, tp: int, pp: int, world_
     else:
         from megastrategy import MegatronStrategy
 
-        strategy = MegatronStrategy(tp=tp, pp=pp)
+        strategy = MegatronStrategy(tp=tp, pp=pp, **({"ep": ep, "etp": 1} if ep > 1 else {}))
     rec = Recorder()
     trainer = L.Trainer(
         accelerator="cpu", devices=world_size, strategy=strategy, max_epochs=1,
@@ -159,7 +160,7 @@ def train_one(arch: str, task: str, strategy_name: str, tp: int, pp: int, world_
         if not keep_going:
             raise
         return {"crash": f"{type(e).__name__}: {e}"[:2000]}
-    return {"loss": rec.losses, "val_loss": rec.val_loss, "sources": rec.sources}
+    return {"loss": rec.losses, "val_loss": rec.val_loss, "sources": rec.sources, "numel": rec.numel}
 
 
 def main() -> None:
@@ -168,6 +169,7 @@ def main() -> None:
     p.add_argument("--strategy", choices=["ddp", "megatron"], required=True)
     p.add_argument("--tp", type=int, default=1)
     p.add_argument("--pp", type=int, default=1)
+    p.add_argument("--ep", type=int, default=1)
     p.add_argument("--keep-going", action="store_true", help="record any exception and go on (probing)")
     p.add_argument("--models", required=True, help="comma-separated arch:task, task in lm/mlm/cls/s2s/tok/qa/mc/img/audio/ctc/asr")
     args = p.parse_args()
@@ -179,7 +181,7 @@ def main() -> None:
     for item in args.models.split(","):
         arch, task = item.split(":")
         os.environ.update(env)  # Lightning's teardown removes the launcher's variables
-        results[item] = train_one(arch, task, args.strategy, args.tp, args.pp, world_size, args.keep_going)
+        results[item] = train_one(arch, task, args.strategy, args.tp, args.pp, world_size, args.keep_going, args.ep)
         if rank == 0 and args.keep_going:  # what is done so far, should a later model stop the launch
             Path(args.out).write_text(json.dumps(results, indent=1))
     if rank == 0:

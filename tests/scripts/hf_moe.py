@@ -30,6 +30,14 @@ MODELS = {
     "qwen3_moe": ("Qwen3MoeConfig", dict(intermediate_size=32, moe_intermediate_size=16, head_dim=8, num_experts=4,
                                          num_experts_per_tok=2, decoder_sparse_step=1, norm_topk_prob=True)),
     "olmoe": ("OlmoeConfig", dict(intermediate_size=16, num_experts=4, num_experts_per_tok=2)),
+    # experts in their own layout (gate_up_proj [E, H, 2F], biases, interleaved gate/up): run by their own code
+    "gpt_oss": ("GptOssConfig", dict(intermediate_size=16, head_dim=8, num_local_experts=4, num_experts_per_tok=2,
+                                     sliding_window=4, layer_types=["sliding_attention", "full_attention"])),
+    # latent attention, a shared expert beside the routed ones, the first layer dense
+    "deepseek_v3": ("DeepseekV3Config", dict(intermediate_size=32, moe_intermediate_size=16, q_lora_rank=16,
+                                             kv_lora_rank=16, qk_rope_head_dim=4, head_dim=4, qk_nope_head_dim=8,
+                                             v_head_dim=8, num_key_value_heads=4, n_routed_experts=4, n_shared_experts=1,
+                                             num_experts_per_tok=2, first_k_dense_replace=1, n_group=1, topk_group=1)),
 }
 
 
@@ -41,7 +49,7 @@ class CausalLM(L.LightningModule):
         import transformers
 
         name, extra = MODELS[arch]
-        self.model = transformers.AutoModelForCausalLM.from_config(getattr(transformers, name)(**_SMALL, **extra))
+        self.model = transformers.AutoModelForCausalLM.from_config(getattr(transformers, name)(**{**_SMALL, **extra}))
 
     def training_step(self, batch, batch_idx):
         loss = self.model(input_ids=batch, labels=batch).loss

@@ -83,6 +83,7 @@ class Pipeline(Component):
             anatomy=anatomy,
             stack_calls=stack_calls,
             carried=order.carried if order is not None else (),
+            block_arity=order.block_arity if order is not None else None,
         )
         self._shared = ctx.stage.shared_layer_parameters
         shared = {id(p) for p in self._shared}

@@ -27,7 +27,7 @@ from torch import nn
 from megastrategy.anatomy import find_hf_model
 from megastrategy.layers.random_ids_forward import random_main_input
 
-__all__ = ["ForwardOrder", "block_outputs", "loop_state_refusal", "meta_copy", "record_forward_order"]
+__all__ = ["ForwardOrder", "MetaAttributes", "block_outputs", "loop_state_refusal", "meta_copy", "record_forward_order"]
 
 
 @dataclass(frozen=True)
@@ -40,6 +40,7 @@ class ForwardOrder:
     # previous block's outputs besides the hidden state (output 0), e.g. T5's ``position_bias``
     loop_state: tuple[tuple[int, str, Any, Any], ...] = ()  # (application, argument, its value, the
     # first application's): plain arguments the forward's loop changes from block to block
+    block_arity: Optional[int] = None  # a block's outputs when it returns a tuple, 0 for a bare tensor; None: unseen
 
     @property
     def reuses_blocks(self) -> bool:
@@ -54,6 +55,23 @@ def meta_copy(module: nn.Module) -> nn.Module:
     }
     memo.update({id(t): torch.empty_like(t, device="meta") for t in module.buffers()})
     return copy.deepcopy(module, memo)
+
+
+class MetaAttributes:
+    """Mixin for a stand-in module holding ``self._meta = [meta_copy(real)]`` (a list: not a
+    submodule): what the user's forward reads off the module it replaced comes from the meta copy,
+    with meta tensors of the real shapes and dtypes. ViT's forward reads
+    ``self.embeddings.patch_embeddings.projection.weight.dtype`` on every stage, NemotronH's loop a
+    block's ``block_type``."""
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            meta = self.__dict__.get("_meta")
+            if meta is None:
+                raise
+            return getattr(meta[0], name)
 
 
 def record_forward_order(module: nn.Module, stack_path: str) -> Optional[ForwardOrder]:
@@ -73,6 +91,8 @@ def record_forward_order(module: nn.Module, stack_path: str) -> Optional[Forward
             inputs[main] = random_main_input(main, hf.config, torch.Generator()).to("meta")
         if getattr(twin, "config", None) is not None:  # the copy's own config: no pad-token check reading values
             twin.config.pad_token_id = None
+            if getattr(twin.config, "_experts_implementation", None) == "grouped_mm":  # its meta kernel wants bf16
+                twin.config._experts_implementation = "batched_mm"  # MoE blocks (DeepSeek-V3, GPT-OSS) run on meta
     except Exception:  # noqa: BLE001 - an uncopyable model keeps registration order
         return None
     return _run(twin, inputs, prefix, stack_path[len(prefix):])
@@ -94,6 +114,7 @@ def _run(twin: nn.Module, inputs: dict, prefix: str, stack_rel: str) -> Optional
 
     handles = [m.register_forward_pre_hook(on_call(n)) for n, m in twin.named_modules() if n]
     carried = _watch_carried(stack, handles)
+    arity = _watch_arity(stack, handles)
     plain_args = _watch_plain_arguments(stack, handles)
     try:
         with torch.no_grad(), torch.random.fork_rng(devices=[]):
@@ -113,7 +134,7 @@ def _run(twin: nn.Module, inputs: dict, prefix: str, stack_rel: str) -> Optional
             if where is not None:
                 called.setdefault(prefix + ".".join(parts[:depth]), set()).add(where)
     return ForwardOrder({k: frozenset(v) for k, v in called.items()}, tuple(stack_calls), tuple(sorted(carried)),
-                        _loop_state(plain_args))
+                        _loop_state(plain_args), arity[0] if arity else None)
 
 
 def block_outputs(output: Any) -> list:
@@ -171,6 +192,20 @@ def loop_state_refusal(order: Optional[ForwardOrder], stack_path: str, assignmen
                 "does not run, so it would get the wrong value. Use pp=1 for this model."
             )
     return None
+
+
+def _watch_arity(stack: nn.ModuleList, handles: list) -> list[Optional[int]]:
+    """A hook that records how many outputs the first block call returns as a tuple (0 for a bare
+    tensor or anything else), so placeholders of skipped blocks return the same."""
+    seen: list[Optional[int]] = []
+
+    def after(block, args, output):
+        if not seen:
+            seen.append(len(output) if isinstance(output, tuple) else 0)
+
+    for block in stack:
+        handles.append(block.register_forward_hook(after))
+    return seen
 
 
 def _watch_carried(stack: nn.ModuleList, handles: list) -> set[tuple[int, str]]:

@@ -28,7 +28,8 @@ from megastrategy.anatomy import ModelAnatomy, find_layer_stack, get_submodule_p
 from megastrategy.batch_tree import flatten_batch, unflatten_batch
 from megastrategy.errors import MegatronConfigError
 from megastrategy.pipeline.boundary_pack import pack, unpack
-from megastrategy.pipeline.forward_order import block_outputs, meta_copy
+from megastrategy.pipeline.forward_order import MetaAttributes, block_outputs, meta_copy
+from megastrategy.pipeline.leading_blocks import skipped_blocks
 from megastrategy.pipeline.placement import StagePlacement
 from megastrategy.pipeline.reused_layers import ReusedLayers
 from megastrategy.pipeline.stand_in_values import mark, refuse_if_marked
@@ -48,21 +49,54 @@ class StageBoundary(BaseException):
 
 
 class LocalLayers(nn.ModuleList):
-    """This stage's blocks, registered under their indices in the full stack (``"4"``, ``"5"``...)."""
+    """This stage's blocks, registered under their indices in the full stack (``"4"``, ``"5"``...).
 
-    def __init__(self, layers: dict[int, nn.Module]):
+    ``leading``: for a chunk's view, placeholders of the blocks before the chunk (not registered,
+    :mod:`.leading_blocks`). Iterating, indexing and ``len`` see them first, so the forward's loop
+    counts blocks by their global index (``config.layer_types[i]`` picks each block's mask).
+    """
+
+    def __init__(self, layers: dict[int, nn.Module], leading: Optional[list[nn.Module]] = None):
         super().__init__()
         for index in sorted(layers):
             self.add_module(str(index), layers[index])
+        self._leading = list(leading or [])  # a list, not registered: no parameters, not in state_dict
+
+    def _view(self) -> list[nn.Module]:
+        return self._leading + list(self._modules.values())
+
+    def __len__(self) -> int:
+        return len(self._leading) + len(self._modules)
+
+    def __iter__(self):
+        return iter(self._view())
 
     def __getitem__(self, idx):
-        values = list(self._modules.values())
+        values = self._view()
         if isinstance(idx, slice):
-            return nn.ModuleList(values[idx])
+            return _LeadingView(values[idx])
         return values[idx]
 
 
-class MetaStandIn(nn.Module):
+class _LeadingView(nn.ModuleList):
+    """A slice of a chunk's view (``self.layers[: config.num_hidden_layers]``), stand-ins included,
+    without registering them (so it holds exactly the parameters of the blocks it contains)."""
+
+    def __init__(self, values: list[nn.Module]):
+        super().__init__()
+        self._values = values
+
+    def __len__(self) -> int:
+        return len(self._values)
+
+    def __iter__(self):
+        return iter(self._values)
+
+    def __getitem__(self, idx):
+        return _LeadingView(self._values[idx]) if isinstance(idx, slice) else self._values[idx]
+
+
+class MetaStandIn(MetaAttributes, nn.Module):
     """Replaces a module that runs before the layer stack on stages that do not own it.
 
     Its output only needs the right shape (the first local block's input is substituted), so a
@@ -123,18 +157,6 @@ class MetaStandIn(nn.Module):
     def _zeros(self, like: torch.Tensor, device: Optional[torch.device], marked: bool) -> torch.Tensor:
         zeros = torch.zeros(like.shape, dtype=like.dtype, device=device)
         return mark(zeros, [self._name]) if marked else zeros
-
-    def __getattr__(self, name: str) -> Any:
-        """What the user's forward reads off the module it replaced comes from the meta copy: the
-        same submodules and attributes, with meta tensors of the real shapes and dtypes. ViT's
-        forward reads ``self.embeddings.patch_embeddings.projection.weight.dtype`` on every stage."""
-        try:
-            return super().__getattr__(name)
-        except AttributeError:
-            meta = self.__dict__.get("_meta")
-            if meta is None:
-                raise
-            return getattr(meta[0], name)
 
 
 class _NotFlat(Exception):
@@ -414,6 +436,7 @@ def cut_stage(
     stack_calls: Optional[tuple[int, ...]] = None,
     carried: tuple[tuple[int, str], ...] = (),
     placement: Optional[StagePlacement] = None,
+    block_arity: Optional[int] = None,
 ) -> PipelineStage:
     """Rewrite ``module`` in place into this rank's stage and return the handle that drives it.
 
@@ -421,7 +444,9 @@ def cut_stage(
     application, when the forward reuses blocks), the applications. ``carried``: the outputs a
     block hands the next one besides the hidden state (from the dry run), sent along with it.
     ``placement``: which stage each (rank, chunk) runs (default: the ring; ZB-V's V puts the first
-    and the last stage on rank 0).
+    and the last stage on rank 0). ``block_arity``: how many outputs a block returns as a tuple (0:
+    a bare tensor), so the placeholders of skipped blocks return the same structure; ``None``
+    (unknown, no dry run): a chunk's view holds its own blocks only.
     """
     anatomy = anatomy or ModelAnatomy.of(module, stack_path)
     chunks = assignment[pp_rank]
@@ -434,7 +459,8 @@ def cut_stage(
 
     if stack_calls is None:
         all_layers = LocalLayers({i: stack[i] for chunk in chunks for i in chunk})
-        chunk_layers = [LocalLayers({i: stack[i] for i in chunk}) for chunk in chunks]
+        leading = skipped_blocks(stack, max(chunk[0] for chunk in chunks), block_arity)
+        chunk_layers = [LocalLayers({i: stack[i] for i in chunk}, leading[: chunk[0]]) for chunk in chunks]
         for chunk in chunks:
             stack[chunk[0]].register_forward_pre_hook(stage._pre_hook, with_kwargs=True)
             stack[chunk[-1]].register_forward_hook(stage._post_hook)

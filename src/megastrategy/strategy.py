@@ -24,10 +24,12 @@ from lightning.pytorch.trainer.states import TrainerFn
 from torch import nn
 
 from megastrategy import all_components as parts
+from megastrategy.averaged_copies import copy_sharded_for_swa, refuse_unsharded_averaged_models
 from megastrategy.checkpoint.strategy_methods import CheckpointMethods
 from megastrategy.component import Component, Environment, SetupContext
 from megastrategy.component_list import ComponentList
 from megastrategy.config import MegatronConfig, split_strategy_arguments
+from megastrategy.ddp.buffer_sync import BufferSync
 from megastrategy.ddp.overlap_policy import resolve_overlap_grad_reduce
 from megastrategy.parallel_state import ParallelLayout, ParallelState
 from megastrategy.pipeline.frozen_stage import explain_empty_optimizer
@@ -141,6 +143,7 @@ class MegatronStrategy(LightningStepMethods, CheckpointMethods, ReplicaCollectiv
         if not any(True for _ in module.parameters()):
             return  # built in configure_model(); validated in setup()
         self.components.each("validate", module, self.layout)
+        refuse_unsharded_averaged_models(module, self.config.tp, self.config.pp)
         self._model_validated = True
 
     @property
@@ -172,9 +175,11 @@ class MegatronStrategy(LightningStepMethods, CheckpointMethods, ReplicaCollectiv
             set_metric_process_group(module, ps.dp_group)
         if self._runner is None or not sharded:
             self._runner = StepRunner.build(self._ctx, self.components)
+            self._buffer_sync = BufferSync(ps.dp_cp_group, list(ps.dp_cp_ranks), self._ddp_kwargs.get("broadcast_buffers", True))
         self.precision_plugin.convert_module(self.model)
         self.model_to_device()
         if trainer.state.fn == TrainerFn.FITTING:
+            copy_sharded_for_swa(trainer, module)
             self._setup_gradients(trainer, module)
         self.setup_precision_plugin()
         adopt_precision_plugin(self.precision_plugin, clip_norm=self.grad_buffers.clip_grad_norm,

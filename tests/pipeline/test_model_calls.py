@@ -62,3 +62,41 @@ def test_the_wrapped_forward_keeps_its_signature():
     outer, _ = _model()
     ModelCalls([("model", outer)])
     assert list(inspect.signature(outer.forward).parameters) == ["x"]
+
+
+def test_a_deep_copy_of_a_routed_module_shares_the_routing_and_runs_its_own_weights():
+    """An EMA's ``AveragedModel`` or SWA's copy deep-copies a stage's module: the copy must not try
+    to copy the per-thread modes (a ``threading.local``), and its forward is its own."""
+    import copy
+
+    lin = nn.Linear(2, 2)
+    calls = ModelCalls([("", lin)])
+    twin = copy.deepcopy(lin)
+    with torch.no_grad():
+        twin.weight.zero_(), twin.bias.fill_(1.0)
+    assert twin.forward.calls is calls and twin(torch.ones(2)).tolist() == [1.0, 1.0]
+    assert lin(torch.ones(2)).tolist() != [1.0, 1.0]
+
+
+def test_a_second_pass_through_the_stack_in_one_microbatch_is_refused_by_name():
+    """Two model calls per step (a dict of training loaders, each batch through the model): the
+    last stage cannot run the first stage's layers, so the second pass is refused with the fix."""
+    outer, inner = _model()
+    calls = ModelCalls([("", outer), ("inner", inner)], stack_path="inner.layers")
+    with calls.recording():
+        outer(torch.ones(1))
+        with pytest.raises(MegatronConfigError, match=r"called Counting .* 2 times for one microbatch.*torch.cat"):
+            outer(torch.ones(1))
+    with calls.recording() as recorded:  # the next microbatch starts over
+        outer(torch.ones(1))
+    assert len(recorded) == 1
+
+
+def test_modules_after_the_stack_may_be_called_beside_it():
+    outer, head = _model()
+    calls = ModelCalls([("body", outer), ("head", head)], stack_path="body.layers")
+    with calls.recording() as recorded:
+        outer(torch.ones(1))
+        head(torch.ones(1))
+        head(torch.ones(1))
+    assert len(recorded) == 3

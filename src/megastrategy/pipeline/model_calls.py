@@ -33,8 +33,8 @@ class _CallThrough:
     """A module's ``forward`` routed through :class:`ModelCalls` (a class, not a closure, so that
     deep copies rebind it); it keeps the forward's name and signature for code that inspects them."""
 
-    def __init__(self, calls: "ModelCalls", forward: Any, name: str) -> None:
-        self.calls, self.forward, self.name = calls, forward, name
+    def __init__(self, calls: "ModelCalls", forward: Any, name: str, holds_stack: bool = False) -> None:
+        self.calls, self.forward, self.name, self.holds_stack = calls, forward, name, holds_stack
         functools.update_wrapper(self, forward)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -45,26 +45,36 @@ class ModelCalls:
     """Routes the outermost calls of ``modules`` (see the module docstring). The mode is per
     thread: a paused step (:mod:`.suspended_step`) keeps its own while the schedule goes on."""
 
-    def __init__(self, modules: Sequence[tuple[str, nn.Module]]) -> None:
+    def __init__(self, modules: Sequence[tuple[str, nn.Module]], stack_path: str = "") -> None:
+        """``stack_path``: where the layer stack is; the modules named on its path hold it, and a
+        step may pass through them once per microbatch (see :meth:`_refuse_second_pass`)."""
         self._local = threading.local()
         for name, module in modules:
+            holds = bool(stack_path) and (name == "" or stack_path == name or stack_path.startswith(name + "."))
             current = module.__dict__.get("forward")
             if isinstance(current, _CallThrough):  # a runner built again for the same stage
-                current.calls = self
+                current.calls, current.holds_stack = self, holds
             else:
-                module.forward = _CallThrough(self, module.forward, name or type(module).__name__)
+                module.forward = _CallThrough(self, module.forward, name or type(module).__name__, holds)
+
+    def __deepcopy__(self, memo: dict) -> "ModelCalls":
+        """Shared, not copied: a deep copy of a stage's module (an ``AveragedModel`` made for an EMA,
+        the copy ``StochasticWeightAveraging`` averages into) routes its calls through the same
+        per-thread modes, and a ``threading.local`` cannot be copied anyway."""
+        return self
 
     def _state(self) -> Any:
         state = self._local
         if not hasattr(state, "mode"):
             state.depth, state.mode, state.record, state.replay, state.pause = 0, "pass", [], [], None
+            state.passes = 0
         return state
 
     @contextmanager
     def recording(self) -> Iterator[list]:
         """Run calls and collect the outputs of the outermost ones into the yielded list."""
         state = self._state()
-        state.mode, state.record = "record", []
+        state.mode, state.record, state.passes = "record", [], 0
         try:
             yield state.record
         finally:
@@ -102,6 +112,21 @@ class ModelCalls:
                 f"({len(state.replay)} left unused); the step must call the model the same way on every rank."
             )
 
+    @staticmethod
+    def _refuse_second_pass(state: Any, through: _CallThrough) -> None:
+        """A microbatch goes through the stages once; a second pass through the stack in the same
+        step (two batches of a dict of loaders, a contrastive pair) would need the first stage's
+        layers here on the last stage. Said before the first module of that pass fails obscurely."""
+        state.passes += 1
+        if state.passes > 1:
+            raise MegatronConfigError(
+                f"the step called {through.name} (which holds the pipeline layer stack) {state.passes} times for one "
+                "microbatch; under pipeline parallelism each microbatch passes through the stages once, so a step "
+                "may run the layer stack once (modules after it, such as a head, may still be called separately). "
+                "Join the inputs into one call (torch.cat the batches along dim 0 and split the output), or use "
+                "pp=1 (tensor and data parallelism run such a step)."
+            )
+
     def call(self, through: _CallThrough, args: tuple, kwargs: dict) -> Any:
         state = self._state()
         outermost = state.depth == 0
@@ -112,6 +137,8 @@ class ModelCalls:
                     "the step must call the model the same way on every rank."
                 )
             return state.replay.pop(0)
+        if outermost and state.mode == "record" and through.holds_stack:
+            self._refuse_second_pass(state, through)
         state.depth += 1
         try:
             out = through.forward(*args, **kwargs)

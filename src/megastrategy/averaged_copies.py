@@ -1,0 +1,52 @@
+"""Copies of the model that weights are averaged into (SWA, EMA) must be copies of the rank's
+sharded model, parameter for parameter.
+
+Lightning's ``StochasticWeightAveraging`` deep-copies the module in its ``setup`` hook, which runs
+before the strategy shards and cuts the module; its averaging then zips the unsharded copy's
+parameters with the rank's shards (a shape error under tp, the wrong blocks averaged under pp).
+:func:`copy_sharded_for_swa` makes that copy again from the sharded module: each rank averages its
+own shards, which is elementwise, so it equals the average of the whole model.
+
+A ``torch.optim.swa_utils.AveragedModel`` the user builds in ``__init__`` (an EMA of a submodule) is
+the same unsharded copy, but inside the module, where no plan shards it:
+:func:`refuse_unsharded_averaged_models` names it before any work, and what works instead.
+"""
+from __future__ import annotations
+
+from copy import deepcopy
+from typing import Any
+
+from torch import nn
+
+from megastrategy.errors import MegatronConfigError
+
+__all__ = ["copy_sharded_for_swa", "refuse_unsharded_averaged_models"]
+
+
+def copy_sharded_for_swa(trainer: Any, module: nn.Module) -> None:
+    """Point every ``StochasticWeightAveraging`` callback's average model at a copy of ``module`` as
+    this rank holds it (after tensor and pipeline parallelism rewrote it)."""
+    from lightning.pytorch.callbacks import StochasticWeightAveraging
+
+    for callback in trainer.callbacks:
+        if isinstance(callback, StochasticWeightAveraging) and getattr(callback, "_average_model", None) is not None:
+            callback._average_model = deepcopy(module)
+
+
+def refuse_unsharded_averaged_models(module: nn.Module, tp: int, pp: int) -> None:
+    """At tp > 1 or pp > 1, refuse an ``AveragedModel`` registered inside ``module``: it holds an
+    unsharded copy of layers the rank holds sharded (or not at all), so its ``update_parameters``
+    would fail on shapes or average the wrong layers."""
+    if tp == 1 and pp == 1:
+        return
+    from torch.optim.swa_utils import AveragedModel
+
+    found = [name for name, sub in module.named_modules() if isinstance(sub, AveragedModel)]
+    if found:
+        raise MegatronConfigError(
+            f"module has an AveragedModel registered at {found[0]!r} (made before the strategy split the model); "
+            f"at tp={tp}, pp={pp} it would stay an unsharded copy while the layers it averages are split over ranks, "
+            "so update_parameters would mismatch shapes or layers. Build it once the strategy has set the model up, "
+            "e.g. `def on_fit_start(self): self.ema = AveragedModel(self.net, ...)` (each rank then averages the "
+            "shards it holds), or use Lightning's StochasticWeightAveraging callback; tp=1, pp=1 runs it as it is."
+        )

@@ -1,0 +1,50 @@
+"""DDP's ``broadcast_buffers``: the data-parallel replicas run on the first replica's buffers.
+
+Buffers such as BatchNorm's running statistics change in every training forward from the local
+batch, so data-parallel replicas drift apart. torch's DistributedDataParallel (and so Lightning's
+``DDPStrategy``) broadcasts rank 0's buffers at the start of a forward whenever the previous forward
+ran with gradients outside an accumulation step (``no_sync``), and before the first forward. So
+rank 0's checkpointed ``running_mean`` is its own, and every rank validates with rank 0's
+statistics: ``val_loss`` with ``sync_dist`` depends on that. MegatronStrategy has no DDP wrapper,
+so :class:`BufferSync` does the same around each Lightning step, over the gradient-reduction group
+(dp, times cp), from its first rank; ``MegatronStrategy(broadcast_buffers=False)`` turns it off as it
+does for DDP.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+__all__ = ["BufferSync"]
+
+
+class BufferSync:
+    """``before_step(module)`` broadcasts when due; ``after_step(again)`` says whether the next step
+    must (its forward ran with gradients and reduced them)."""
+
+    def __init__(self, group: Optional[dist.ProcessGroup], ranks: list[int], enabled: bool = True) -> None:
+        self.group, self.src = group, ranks[0] if ranks else 0
+        self.enabled = enabled and group is not None and len(ranks) > 1
+        self._due = True  # DDP broadcasts before its first forward
+
+    def before_step(self, module: nn.Module) -> None:
+        if not (self.enabled and self._due):
+            return
+        buffers = [b for b in module.buffers() if b.device.type != "meta" and b.numel() > 0]
+        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+        for b in buffers:
+            by_dtype.setdefault(b.dtype, []).append(b)
+        with torch.no_grad():
+            for group in by_dtype.values():  # one broadcast per dtype, the buffers packed flat
+                flat = torch.cat([b.reshape(-1) for b in group])
+                dist.broadcast(flat, src=self.src, group=self.group)
+                offset = 0
+                for b in group:
+                    b.copy_(flat[offset:offset + b.numel()].view_as(b))
+                    offset += b.numel()
+
+    def after_step(self, again: bool) -> None:
+        self._due = again

@@ -9,7 +9,8 @@ same global batch: tp2 and pp2 against DDP on one process, dp2 against DDP on tw
   matches DDP; read whole on every rank it matches DDP at dp2;
 * manual optimization with two optimizers (``toggle_optimizer``, two ``opt.step()`` per batch) at
   tp2 and dp2; refused by name at pp2;
-* ``GradientAccumulationScheduler({0: 1, 1: 2})``; ``lr_find``; ``StochasticWeightAveraging``; an EMA
+* ``GradientAccumulationScheduler({0: 1, 1: 2})``; ``lr_find``; ``StochasticWeightAveraging`` (also
+  checkpointed and resumed: each rank's averaged shards come back to it); an EMA
   (``AveragedModel``) built in ``on_fit_start`` (built in ``__init__``: refused by name);
 * ``ModelCheckpoint(save_last=True, every_n_train_steps=2)`` then ``fit(ckpt_path="last")``: the
   resumed steps equal an uninterrupted run (DDP's own resume restarts the epoch's loader);
@@ -30,7 +31,7 @@ SCRIPT = Path(__file__).parent / "scripts" / "habits_round3.py"
 TOL = 2e-4
 pytestmark = pytest.mark.slow
 
-GPT_HABITS = ["accumulation-schedule", "resume-last", "swa", "ema-init", "ema-fit-start", "lr-find", "iter-global-rank",
+GPT_HABITS = ["accumulation-schedule", "resume-last", "swa", "swa-resume", "ema-init", "ema-fit-start", "lr-find", "iter-global-rank",
               "iter-sampler-kwargs", "two-optimizers"]
 LAUNCHES = {  # layout: (processes, strategy arguments, habits)
     "ddp": (1, ["--strategy", "ddp"], GPT_HABITS + ["dict-loaders", "dict-loaders-joined", "straight-7"]),
@@ -56,7 +57,8 @@ def _same_losses(ours: dict, ref: dict) -> None:
 
 
 @pytest.mark.parametrize("layout", ["tp2", "pp2"])
-@pytest.mark.parametrize("habit", ["accumulation-schedule", "swa", "ema-fit-start", "lr-find", "iter-sampler-kwargs"])
+@pytest.mark.parametrize("habit", ["accumulation-schedule", "swa", "swa-resume", "ema-fit-start", "lr-find",
+                                   "iter-sampler-kwargs"])
 def test_habit_matches_ddp(layout, habit):
     ours, ref = _run(layout)[habit], _run("ddp")[habit]
     _same_losses(ours, ref)

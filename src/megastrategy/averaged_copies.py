@@ -5,7 +5,8 @@ Lightning's ``StochasticWeightAveraging`` deep-copies the module in its ``setup`
 before the strategy shards and cuts the module; its averaging then zips the unsharded copy's
 parameters with the rank's shards (a shape error under tp, the wrong blocks averaged under pp).
 :func:`copy_sharded_for_swa` makes that copy again from the sharded module: each rank averages its
-own shards, which is elementwise, so it equals the average of the whole model.
+own shards, which is elementwise, so it equals the average of the whole model. A resumed run loads
+each rank's saved averaged weights into it (:mod:`megastrategy.checkpoint.swa_state`).
 
 A ``torch.optim.swa_utils.AveragedModel`` the user builds in ``__init__`` (an EMA of a submodule) is
 the same unsharded copy, but inside the module, where no plan shards it:
@@ -28,9 +29,14 @@ def copy_sharded_for_swa(trainer: Any, module: nn.Module) -> None:
     this rank holds it (after tensor and pipeline parallelism rewrote it)."""
     from lightning.pytorch.callbacks import StochasticWeightAveraging
 
+    from megastrategy.checkpoint.swa_state import HELD_ATTR
+
     for callback in trainer.callbacks:
         if isinstance(callback, StochasticWeightAveraging) and getattr(callback, "_average_model", None) is not None:
             callback._average_model = deepcopy(module)
+            held = callback.__dict__.pop(HELD_ATTR, None)  # this rank's averaged weights, resumed
+            if held is not None:
+                callback._average_model.load_state_dict(held)
 
 
 def refuse_unsharded_averaged_models(module: nn.Module, tp: int, pp: int) -> None:

@@ -329,6 +329,26 @@ def _ema(when):
     return run
 
 
+def ema_saved(args, workdir):
+    """An EMA built in ``on_fit_start`` is part of the module's state: what the checkpoint holds of it."""
+    import warnings
+
+    module = EmaGPT("fit_start", batch_size=8 // args.dp)
+    t = trainer(args, max_steps=2, limit_val_batches=0)
+    t.fit(module)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        t.save_checkpoint(str(workdir / "ema.ckpt"))
+    if args.strategy == "ddp":
+        state = torch.load(workdir / "ema.ckpt", weights_only=False)["state_dict"]
+    else:
+        from megastrategy.checkpoint.sharded import load_full_model_state
+
+        state = load_full_model_state(workdir / "ema.ckpt")
+    return {"warnings": [str(w.message) for w in seen if "AveragedModel" in str(w.message)],
+            "ema": {k: [list(v.shape), float(v.float().abs().sum())] for k, v in state.items() if k.startswith("ema.")}}
+
+
 # ---------------------------------------------------------------- 8. the learning-rate finder
 def lr_find(args, workdir):
     from lightning.pytorch.tuner import Tuner
@@ -354,6 +374,7 @@ HABITS = {
     "ema-init": _ema("init"),
     "ema-fit-start": _ema("fit_start"),
     "lr-find": lr_find,
+    "ema-saved": ema_saved,
     "batch-norm": _batch_norm(1),
     "batch-norm-accumulate": _batch_norm(2),
 }

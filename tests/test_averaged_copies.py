@@ -23,3 +23,17 @@ def test_an_averaged_model_made_in_init_is_refused_naming_it_and_the_fix(tp, pp)
 
 def test_data_parallelism_alone_keeps_it():
     refuse_unsharded_averaged_models(WithEma(), 1, 1)
+
+
+def test_a_checkpoint_holding_an_average_built_after_setup_is_warned_about_once():
+    import warnings
+
+    from megastrategy.averaged_copies import warn_averaged_models_in_checkpoint
+
+    module = WithEma()
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        warn_averaged_models_in_checkpoint(module, 2, 1)
+        warn_averaged_models_in_checkpoint(module, 2, 1)
+        warn_averaged_models_in_checkpoint(WithEma(), 1, 1)
+    assert len(seen) == 1 and "AveragedModel at 'ema'" in str(seen[0].message)

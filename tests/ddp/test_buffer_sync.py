@@ -41,3 +41,12 @@ def test_one_replica_or_disabled_does_nothing():
     bn = nn.BatchNorm1d(2)
     BufferSync(None, [0]).before_step(bn)
     assert not BufferSync(object(), [0, 1], enabled=False).enabled
+
+
+def test_buffers_of_modules_holding_experts_stay_each_ranks_own():
+    from megastrategy.ddp.buffer_sync import _replicated_buffers
+    from megastrategy.moe.experts import EXPERT_ATTR, ExpertParamInfo
+
+    model = nn.Sequential(nn.BatchNorm1d(2), nn.BatchNorm1d(3))
+    setattr(model[1].weight, EXPERT_ATTR, ExpertParamInfo(expert=0, name="w1", etp_dim=None))
+    assert {b.numel() for b in _replicated_buffers(model)} == {2, 1}  # model[0]'s mean, var, count

@@ -274,6 +274,23 @@ def swa(args, workdir):
     return {"losses": losses.losses, "val_after": t.validate(module, verbose=False)}
 
 
+def swa_resume(args, workdir):
+    """SWA, checkpointed every 4 steps (each epoch's end), resumed from "last" after 2 epochs."""
+    from lightning.pytorch.callbacks import ModelCheckpoint, StochasticWeightAveraging
+
+    def run(max_epochs, ckpt_path=None):
+        losses, module = StepLosses(), GPT(batch_size=8 // args.dp, n_train=32)
+        every = ModelCheckpoint(dirpath=workdir / "ckpt", save_last=True, every_n_train_steps=4)
+        t = trainer(args, [losses, every, StochasticWeightAveraging(swa_lrs=1e-2, swa_epoch_start=1)],
+                    max_epochs=max_epochs, enable_checkpointing=True, limit_val_batches=2)
+        t.fit(module, ckpt_path=ckpt_path)
+        return losses.losses, t.validate(module, verbose=False)
+
+    first, _ = run(2)
+    resumed, val = run(3, ckpt_path="last")
+    return {"losses": first + resumed, "val_after": val}
+
+
 class EmaGPT(GPT):
     """Keeps an exponential moving average of its blocks, made in ``__init__`` (``when="init"``) or
     in ``on_fit_start``, updated after every batch; validates with the averaged blocks after fit."""
@@ -312,6 +329,26 @@ def _ema(when):
     return run
 
 
+def ema_saved(args, workdir):
+    """An EMA built in ``on_fit_start`` is part of the module's state: what the checkpoint holds of it."""
+    import warnings
+
+    module = EmaGPT("fit_start", batch_size=8 // args.dp)
+    t = trainer(args, max_steps=2, limit_val_batches=0)
+    t.fit(module)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        t.save_checkpoint(str(workdir / "ema.ckpt"))
+    if args.strategy == "ddp":
+        state = torch.load(workdir / "ema.ckpt", weights_only=False)["state_dict"]
+    else:
+        from megastrategy.checkpoint.sharded import load_full_model_state
+
+        state = load_full_model_state(workdir / "ema.ckpt")
+    return {"warnings": [str(w.message) for w in seen if "AveragedModel" in str(w.message)],
+            "ema": {k: [list(v.shape), float(v.float().abs().sum())] for k, v in state.items() if k.startswith("ema.")}}
+
+
 # ---------------------------------------------------------------- 8. the learning-rate finder
 def lr_find(args, workdir):
     from lightning.pytorch.tuner import Tuner
@@ -333,9 +370,11 @@ HABITS = {
     "dict-loaders": _dict_loaders(False),
     "dict-loaders-joined": _dict_loaders(True),
     "swa": swa,
+    "swa-resume": swa_resume,
     "ema-init": _ema("init"),
     "ema-fit-start": _ema("fit_start"),
     "lr-find": lr_find,
+    "ema-saved": ema_saved,
     "batch-norm": _batch_norm(1),
     "batch-norm-accumulate": _batch_norm(2),
 }

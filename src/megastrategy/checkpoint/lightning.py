@@ -26,6 +26,7 @@ from torch import Tensor
 from megastrategy.checkpoint.compatibility import check_model_matches
 from megastrategy.checkpoint.dcp_io import PathLike, read_metadata
 from megastrategy.checkpoint.resume import ExactResume
+from megastrategy.checkpoint.swa_state import SWA_KEY, hold_swa_states, take_swa_states
 from megastrategy.checkpoint.sharded import (
     DeferredOptimizerStates,
     load_full_model_state,
@@ -64,19 +65,24 @@ def save_lightning_checkpoint(site: CheckpointSite, checkpoint: dict[str, Any], 
     """Collective: every rank writes its shards of ``checkpoint`` into the directory ``filepath``."""
     module = site.module
     with_optim = "optimizer_states" in checkpoint
+    lightning = {k: v for k, v in checkpoint.items() if k not in _TENSOR_KEYS}
+    if isinstance(lightning.get("callbacks"), dict):
+        lightning["callbacks"] = dict(lightning["callbacks"])  # take_swa_states edits it, not Lightning's dict
+    rank_state = site.exact_resume.rank_state(site.rng_tracker, getattr(module, "_trainer", None))
+    rank_state[SWA_KEY] = take_swa_states(lightning)
     save_sharded(
         filepath,
         module=module,
         parallel_state=site.parallel_state,
         optimizers=site.optimizers() if with_optim else None,
         optimizer_states=list(checkpoint["optimizer_states"]) if with_optim else None,
-        lightning={k: v for k, v in checkpoint.items() if k not in _TENSOR_KEYS},
+        lightning=lightning,
         plan=site.plan,
         stack_path=site.stack_path,
         layout_record=site.layout_record,
         is_coordinator=site.is_coordinator,
         barrier=site.barrier,
-        rank_state=site.exact_resume.rank_state(site.rng_tracker, getattr(module, "_trainer", None)),
+        rank_state=rank_state,
         **({"write": site.write} if site.write is not None else {}),
     )
 
@@ -89,6 +95,9 @@ def load_lightning_checkpoint(site: CheckpointSite, path: PathLike) -> dict[str,
     trainer = getattr(module, "_trainer", None)
     if trainer is not None and trainer.state.fn == "fit":  # random streams and loader position for the restart
         _load_resume_state(site, path, info.get("layout"))
+    fitting = trainer is not None and trainer.state.fn == "fit"
+    hold_swa_states(checkpoint, trainer, read_rank_state(path, site.global_rank) if fitting else None,
+                    info.get("layout") == site.layout_record, f"written by {info.get('layout')}, resumed on {site.layout_record}")
     if getattr(module, "_megastrategy_sharded", False):
         strict = bool(getattr(module, "strict_loading", True))
         load_model_(path, module, site.parallel_state, plan=site.plan, strict=strict)

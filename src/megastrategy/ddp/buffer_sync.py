@@ -8,7 +8,8 @@ rank 0's checkpointed ``running_mean`` is its own, and every rank validates with
 statistics: ``val_loss`` with ``sync_dist`` depends on that. MegatronStrategy has no DDP wrapper,
 so :class:`BufferSync` does the same around each Lightning step, over the gradient-reduction group
 (dp, times cp), from its first rank; ``MegatronStrategy(broadcast_buffers=False)`` turns it off as it
-does for DDP.
+does for DDP. Buffers of modules holding experts stay each rank's own (expert parallelism splits
+the data-parallel replicas over different experts).
 """
 from __future__ import annotations
 
@@ -17,6 +18,8 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 from torch import nn
+
+from megastrategy.moe.experts import is_expert_parameter
 
 __all__ = ["BufferSync"]
 
@@ -33,7 +36,7 @@ class BufferSync:
     def before_step(self, module: nn.Module) -> None:
         if not (self.enabled and self._due):
             return
-        buffers = [b for b in module.buffers() if b.device.type != "meta" and b.numel() > 0]
+        buffers = _replicated_buffers(module)
         by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
         for b in buffers:
             by_dtype.setdefault(b.dtype, []).append(b)
@@ -48,3 +51,14 @@ class BufferSync:
 
     def after_step(self, again: bool) -> None:
         self._due = again
+
+
+def _replicated_buffers(module: nn.Module) -> list[torch.Tensor]:
+    """The buffers data-parallel peers hold copies of: not those of a module holding experts (under
+    expert parallelism the dense dp group spans ranks holding different experts), nor placeholders."""
+    found = []
+    for sub in module.modules():
+        if any(is_expert_parameter(p) for p in sub.parameters(recurse=False)):
+            continue
+        found += [b for b in sub.buffers(recurse=False) if b.device.type != "meta" and b.numel() > 0]
+    return found

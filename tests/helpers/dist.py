@@ -9,9 +9,9 @@ import os
 import traceback
 from typing import Any, Callable
 
-import torch.multiprocessing as mp
 
 from megastrategy.ports import free_port  # noqa: F401  (re-exported for the launchers)
+from tests.helpers.warm_start import warm_context
 
 DEFAULT_TIMEOUT_S = 120
 
@@ -49,7 +49,7 @@ def run_distributed(
     ``fn`` must be importable (defined at module level). The default process group is
     initialized (gloo) before ``fn`` runs and destroyed after.
     """
-    ctx = mp.get_context("spawn")
+    ctx = warm_context()  # forks of a server that imported torch once, not fresh interpreters
     results = ctx.Queue()
     port = free_port()
     procs = [

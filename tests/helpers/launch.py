@@ -1,5 +1,8 @@
 """Launch a Lightning training script on N real CPU processes, torchrun-style, with a hard timeout.
 
+The ranks are forks of a warm interpreter (:mod:`tests.helpers.warm_start`) that run the script as
+``python script args`` would, without importing torch and Lightning again.
+
 Each process gets MASTER_ADDR/MASTER_PORT/WORLD_SIZE/RANK/LOCAL_RANK, which Lightning reads as
 an externally launched job (the same path as ``torchrun`` or SLURM). If one process fails, the
 others are killed at once; if the whole job exceeds ``timeout`` it is killed and the test fails.
@@ -17,6 +20,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from tests.helpers.dist import free_port
+from tests.helpers.warm_start import ScriptProcess
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -41,11 +45,10 @@ def run_script_to_the_end(
     start = time.monotonic()
     procs, logs, ended = [], [], {}
     for rank in range(nprocs):
-        log = tempfile.TemporaryFile(mode="w+")
+        log = tempfile.NamedTemporaryFile(mode="w+", prefix=f"rank{rank}-")
         logs.append(log)
-        procs.append(subprocess.Popen([sys.executable, str(script), "--out", str(out), *args],
-                                      env=dict(base_env, RANK=str(rank), LOCAL_RANK=str(rank)),
-                                      stdout=log, stderr=subprocess.STDOUT, cwd=str(REPO)))
+        procs.append(ScriptProcess(str(script), ["--out", str(out), *args], log_path=log.name,
+                                   env=dict(base_env, RANK=str(rank), LOCAL_RANK=str(rank)), cwd=str(REPO)))
     while len(ended) < nprocs and time.monotonic() - start < timeout:
         for rank, p in enumerate(procs):
             if rank not in ended and p.poll() is not None:
@@ -98,14 +101,9 @@ def _run_script(script: str | Path, nprocs: int, args: list[str], timeout: float
     procs, logs = [], []
     for rank in range(nprocs):
         penv = dict(base_env, RANK=str(rank), LOCAL_RANK=str(rank))
-        log = tempfile.TemporaryFile(mode="w+")
+        log = tempfile.NamedTemporaryFile(mode="w+", prefix=f"rank{rank}-")
         logs.append(log)
-        procs.append(
-            subprocess.Popen(
-                [sys.executable, str(script), "--out", str(out), *args],
-                env=penv, stdout=log, stderr=subprocess.STDOUT, cwd=str(REPO),
-            )
-        )
+        procs.append(ScriptProcess(str(script), ["--out", str(out), *args], env=penv, cwd=str(REPO), log_path=log.name))
     deadline = time.monotonic() + timeout
     failed = None
     try:

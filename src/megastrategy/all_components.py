@@ -3,6 +3,7 @@ want to look one up with ``strategy.component(kind)``)."""
 from megastrategy.checkpoint.component import Checkpoints
 from megastrategy.context.component import ContextParallelComponent
 from megastrategy.cuda_graphs.component import CudaGraphs
+from megastrategy.ddp.buffer_sync import BufferBroadcast
 from megastrategy.ddp.component import GradientBuffers
 from megastrategy.ddp.nonfinite_guard import NonFiniteGuard
 from megastrategy.layers.components import Recompute, SequenceParallel, TensorParallel, TransformerEngine
@@ -11,6 +12,6 @@ from megastrategy.pipeline.component import Pipeline
 from megastrategy.runtime import BatchBroadcast, Watchdog
 
 __all__ = [
-    "BatchBroadcast", "Checkpoints", "ContextParallelComponent", "CudaGraphs", "ExpertParallel", "GradientBuffers", "NonFiniteGuard", "Pipeline",
+    "BatchBroadcast", "BufferBroadcast", "Checkpoints", "ContextParallelComponent", "CudaGraphs", "ExpertParallel", "GradientBuffers", "NonFiniteGuard", "Pipeline",
     "Recompute", "SequenceParallel", "TensorParallel", "TransformerEngine", "Watchdog",
 ]

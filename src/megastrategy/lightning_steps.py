@@ -21,7 +21,6 @@ class LightningStepMethods:
     """A mixin for a Lightning strategy that owns a step runner (placed before ``DDPStrategy``)."""
 
     _runner: Any
-    _buffer_sync: Any  # megastrategy.ddp.buffer_sync.BufferSync
 
     def _step(self, name: str, context: Callable[[], Any], args: tuple, kwargs: dict) -> Any:
         module = self.lightning_module
@@ -29,10 +28,6 @@ class LightningStepMethods:
         training = name == "training_step"
         scaler = loss_scaler(self.precision_plugin) if training else None
         automatic = module.automatic_optimization
-        self._buffer_sync.before_step(module)
-        # as DDP: the next forward broadcasts after one that ran with gradients and reduced them
-        accumulating = training and automatic and module.trainer.fit_loop._should_accumulate()
-        self._buffer_sync.after_step(torch.is_grad_enabled() and not accumulating)
         with context():
             return self._runner.run(
                 module, name, args, kwargs,

@@ -29,7 +29,6 @@ from megastrategy.checkpoint.strategy_methods import CheckpointMethods
 from megastrategy.component import Component, Environment, SetupContext
 from megastrategy.component_list import ComponentList
 from megastrategy.config import MegatronConfig, split_strategy_arguments
-from megastrategy.ddp.buffer_sync import BufferSync
 from megastrategy.ddp.overlap_policy import resolve_overlap_grad_reduce
 from megastrategy.parallel_state import ParallelLayout, ParallelState
 from megastrategy.pipeline.frozen_stage import explain_empty_optimizer
@@ -88,6 +87,7 @@ class MegatronStrategy(LightningStepMethods, CheckpointMethods, ReplicaCollectiv
             parts.Pipeline(c),
             parts.ExpertParallel(c),
             parts.CudaGraphs(c),
+            parts.BufferBroadcast(c, self._ddp_kwargs.get("broadcast_buffers", True)),
             self.grad_buffers,
             self.checkpoints,
         ]
@@ -175,7 +175,6 @@ class MegatronStrategy(LightningStepMethods, CheckpointMethods, ReplicaCollectiv
             set_metric_process_group(module, ps.dp_group)
         if self._runner is None or not sharded:
             self._runner = StepRunner.build(self._ctx, self.components)
-            self._buffer_sync = BufferSync(ps.dp_cp_group, list(ps.dp_cp_ranks), self._ddp_kwargs.get("broadcast_buffers", True))
         self.precision_plugin.convert_module(self.model)
         self.model_to_device()
         if trainer.state.fn == TrainerFn.FITTING:

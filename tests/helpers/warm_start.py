@@ -21,8 +21,8 @@ from typing import Optional
 
 __all__ = ["warm_context", "ScriptProcess"]
 
-#: third-party libraries every launched script imports; imported once, by the fork server
-PRELOAD = ["torch", "torch.distributed", "lightning.pytorch", "torchmetrics", "transformers.modeling_utils"]
+#: imports, once, the third-party libraries every launched script needs (each guarded)
+PRELOAD = ["tests.helpers.warm_preload"]
 
 
 @lru_cache(maxsize=1)

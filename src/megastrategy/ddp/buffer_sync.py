@@ -6,9 +6,9 @@ batch, so data-parallel replicas drift apart. torch's DistributedDataParallel (a
 ran with gradients outside an accumulation step (``no_sync``), and before the first forward. So
 rank 0's checkpointed ``running_mean`` is its own, and every rank validates with rank 0's
 statistics: ``val_loss`` with ``sync_dist`` depends on that. MegatronStrategy has no DDP wrapper,
-so :class:`BufferSync` does the same around each Lightning step, over the gradient-reduction group
-(dp, times cp), from its first rank; ``MegatronStrategy(broadcast_buffers=False)`` turns it off as it
-does for DDP. Buffers of modules holding experts stay each rank's own (expert parallelism splits
+so the :class:`BufferBroadcast` component does the same at the start of each step, over the
+gradient-reduction group (dp, times cp), from its first rank; ``MegatronStrategy(broadcast_buffers=False)``
+turns it off as it does for DDP. Buffers of modules holding experts stay each rank's own (expert parallelism splits
 the data-parallel replicas over different experts).
 """
 from __future__ import annotations
@@ -19,9 +19,38 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from megastrategy.component import Component, SetupContext, StepInfo
+from megastrategy.config import MegatronConfig
 from megastrategy.moe.experts import is_expert_parameter
 
-__all__ = ["BufferSync"]
+__all__ = ["BufferBroadcast", "BufferSync"]
+
+
+class BufferBroadcast(Component):
+    """The component: a fresh :class:`BufferSync` per fit (Lightning wraps the model in DDP, which
+    broadcasts, only to fit, and unwraps it after), asked at the start of every step."""
+
+    def __init__(self, config: MegatronConfig, broadcast_buffers: bool = True) -> None:
+        self.config = config
+        self.enabled = bool(broadcast_buffers)
+        self._sync: Optional[BufferSync] = None
+
+    def on_fit_setup(self, module: nn.Module, ctx: SetupContext) -> None:
+        ps = ctx.parallel_state
+        self._sync = BufferSync(ps.dp_cp_group, list(ps.dp_cp_ranks))
+
+    def begin_step(self, module: nn.Module, step: StepInfo) -> None:
+        if self._sync is None:
+            return
+        self._sync.before_step(module)
+        # as DDP: the next forward broadcasts after one that ran with gradients and reduced them
+        trainer = getattr(module, "_trainer", None)
+        accumulating = (step.training and module.automatic_optimization and trainer is not None
+                        and trainer.fit_loop._should_accumulate())
+        self._sync.after_step(torch.is_grad_enabled() and not accumulating)
+
+    def teardown(self) -> None:
+        self._sync = None
 
 
 class BufferSync:

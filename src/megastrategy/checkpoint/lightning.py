@@ -125,9 +125,17 @@ def _load_resume_state(site: CheckpointSite, path: PathLike, saved: Optional[dic
     )
 
 
+def _averaged_models_aside(saved: dict[str, Any], here: dict[str, Any]) -> dict[str, Any]:
+    """Without the saved ``AveragedModel``s (an ``X.n_averaged`` marks ``X``) that the module lacks yet:
+    a user's ``on_load_checkpoint`` may build one (an EMA) after this check, before Lightning's
+    strict ``load_state_dict``, which then says what is missing or unexpected."""
+    absent = tuple(k[: -len("n_averaged")] for k in saved if k.endswith("n_averaged") and k not in here)
+    return {k: v for k, v in saved.items() if not absent or not k.startswith(absent)}
+
+
 def _check_whole_model(path: PathLike, module: Any) -> None:
     """Before Lightning loads the full state dict into the user's (not yet sharded) module."""
     here = {k: tuple(v.shape) for k, v in module.state_dict().items() if isinstance(v, Tensor)}
     if here:  # a model built later (configure_model) is checked when it is loaded in place
-        saved = saved_model_shapes(read_metadata(path).state_dict_metadata)
+        saved = _averaged_models_aside(saved_model_shapes(read_metadata(path).state_dict_metadata), here)
         check_model_matches(path, saved, here, strict=bool(getattr(module, "strict_loading", True)), whole=True)

@@ -7,13 +7,13 @@ from torch import nn
 from torch.optim.swa_utils import AveragedModel
 
 from megastrategy.averaged_copies import hold_averaged_copies, refuse_unsharded_averaged_models, remake_averaged_copies
-from megastrategy.checkpoint.averaged_layout import averaged_sources
 from megastrategy.checkpoint.layout import module_layout
 from megastrategy.errors import MegatronConfigError
-from megastrategy.layers.shard_spec import ShardSpec, set_shard_spec
 
 
 class WithEma(nn.Module):
+    """A net, a twin of two alike layers, and an EMA of the net (or of ``source``)."""
+
     def __init__(self, source="net"):  # "outside": a module that is not part of this one
         super().__init__()
         self.net = nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 4))
@@ -45,13 +45,3 @@ def test_held_copy_is_remade_from_the_source_with_its_own_values():
     assert module.ema.module[0].weight is not module.net[0].weight
     assert torch.equal(module.ema.module[0].weight, torch.full((8, 4), 3.0))
     assert torch.equal(module.ema.module[1].bias, module.net[1].bias)
-
-
-def test_a_copy_is_described_by_its_source_split():
-    module = WithEma()
-    set_shard_spec(module.net[0].weight, ShardSpec(dim=0, full_size=16, padded_size=16))
-    assert averaged_sources(module) == {"ema.module.": "net."}
-    layout = module_layout(module, tp_rank=1, tp_size=2).tensors
-    copy = layout["ema.module.0.weight"][1]
-    assert copy.name == "ema.module.0.weight" and copy.spec == layout["net.0.weight"][1].spec and copy.tp_rank == 1
-    assert not layout["ema.module.1.weight"][1].sharded

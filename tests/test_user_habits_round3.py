@@ -11,7 +11,8 @@ same global batch: tp2 and pp2 against DDP on one process, dp2 against DDP on tw
   tp2 and dp2; refused by name at pp2;
 * ``GradientAccumulationScheduler({0: 1, 1: 2})``; ``lr_find``; ``StochasticWeightAveraging`` (also
   checkpointed and resumed: each rank's averaged shards come back to it); an EMA
-  (``AveragedModel``) built in ``on_fit_start`` (built in ``__init__``: refused by name);
+  (``AveragedModel``) built in ``__init__`` or ``on_fit_start``, checkpointed, resumed (built by
+  ``on_load_checkpoint``) and loaded by ``load_from_checkpoint`` in one process: DDP's EMA (2e-6);
 * ``ModelCheckpoint(save_last=True, every_n_train_steps=2)`` then ``fit(ckpt_path="last")``: the
   resumed steps equal an uninterrupted run (DDP's own resume restarts the epoch's loader);
 * a dict of training loaders, the step running the model once on the joined batches (pp2 too) or

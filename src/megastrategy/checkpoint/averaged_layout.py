@@ -11,14 +11,20 @@ that: :func:`averaged_sources` maps each copy's key prefix to its source's, and
 :func:`~megastrategy.checkpoint.layout.module_layout` describes a copy's tensor by its source's
 (same split, same orientation) under the copy's own name. Elementwise averaging keeps the split
 exact. Two sources with the same structure but different splits cannot be told apart: refused.
+
+Resuming ``fit`` reads the checkpoint before the user's ``on_load_checkpoint`` (where an EMA is built
+so that the saved average has a module to load into, as DDP's strict loading needs): the early
+whole-model check leaves such saved ``AveragedModel``s out (:func:`without_absent_averaged_models`).
 """
 from __future__ import annotations
+
+from typing import Any
 
 from torch import Tensor, nn
 
 from megastrategy.errors import MegatronCheckpointError
 
-__all__ = ["averaged_candidates", "averaged_sources"]
+__all__ = ["averaged_candidates", "averaged_sources", "without_absent_averaged_models"]
 
 
 def _signature(module: nn.Module) -> tuple:
@@ -67,3 +73,11 @@ def averaged_sources(module: nn.Module) -> dict[str, str]:
             )
         out[prefix(path) + "module."] = prefix(found[0])
     return out
+
+
+def without_absent_averaged_models(saved: dict[str, Any], here: dict[str, Any]) -> dict[str, Any]:
+    """``saved`` (checkpoint key -> shape) without the ``AveragedModel``s (an ``X.n_averaged`` marks
+    ``X``) that the module ``here`` lacks yet; Lightning's strict ``load_state_dict``, after the user's
+    ``on_load_checkpoint``, still says what is missing or unexpected."""
+    absent = tuple(k[: -len("n_averaged")] for k in saved if k.endswith(".n_averaged") and k not in here)
+    return {k: v for k, v in saved.items() if not absent or not k.startswith(absent)}

@@ -21,6 +21,8 @@ fused experts (one ``[E, ...]`` tensor) hold whole experts along dim 0: chunks o
 Names: ``TensorParallelMultiheadAttention`` keeps its packed projection in ``in_proj.weight``
 / ``in_proj.bias``; the user's ``nn.MultiheadAttention`` calls them ``in_proj_weight`` /
 ``in_proj_bias``. Pipeline stages keep global block indices, so their names need no change.
+A user's ``AveragedModel`` (an EMA) holds deep copies that lost their split description: each
+copied tensor is described by the one it averages (:mod:`.averaged_layout`), under its own name.
 
 Every chunk is a view of the rank's tensor, so the same description serves saving (read the
 views) and loading in place (write into them).

@@ -23,6 +23,7 @@ from typing import Any, Callable, Optional
 
 from torch import Tensor
 
+from megastrategy.checkpoint.averaged_layout import without_absent_averaged_models
 from megastrategy.checkpoint.compatibility import check_model_matches
 from megastrategy.checkpoint.dcp_io import PathLike, read_metadata
 from megastrategy.checkpoint.resume import ExactResume
@@ -125,17 +126,9 @@ def _load_resume_state(site: CheckpointSite, path: PathLike, saved: Optional[dic
     )
 
 
-def _averaged_models_aside(saved: dict[str, Any], here: dict[str, Any]) -> dict[str, Any]:
-    """Without the saved ``AveragedModel``s (an ``X.n_averaged`` marks ``X``) that the module lacks yet:
-    a user's ``on_load_checkpoint`` may build one (an EMA) after this check, before Lightning's
-    strict ``load_state_dict``, which then says what is missing or unexpected."""
-    absent = tuple(k[: -len("n_averaged")] for k in saved if k.endswith("n_averaged") and k not in here)
-    return {k: v for k, v in saved.items() if not absent or not k.startswith(absent)}
-
-
 def _check_whole_model(path: PathLike, module: Any) -> None:
     """Before Lightning loads the full state dict into the user's (not yet sharded) module."""
     here = {k: tuple(v.shape) for k, v in module.state_dict().items() if isinstance(v, Tensor)}
     if here:  # a model built later (configure_model) is checked when it is loaded in place
-        saved = _averaged_models_aside(saved_model_shapes(read_metadata(path).state_dict_metadata), here)
+        saved = without_absent_averaged_models(saved_model_shapes(read_metadata(path).state_dict_metadata), here)
         check_model_matches(path, saved, here, strict=bool(getattr(module, "strict_loading", True)), whole=True)

@@ -39,9 +39,11 @@ def test_held_copy_is_remade_from_the_source_with_its_own_values():
     module = WithEma()
     with torch.no_grad():
         module.ema.module[0].weight.fill_(3.0)
+    module.ema.module[1].requires_grad_(False)
     held = hold_averaged_copies(module)
-    assert [(p, s) for p, s, _ in held] == [("ema", "net")] and not list(module.ema.module.parameters())
+    assert [(p, s) for p, s, _, _ in held] == [("ema", "net")] and not list(module.ema.module.parameters())
     remake_averaged_copies(module, held, lambda m: module_layout(m))
     assert module.ema.module[0].weight is not module.net[0].weight
     assert torch.equal(module.ema.module[0].weight, torch.full((8, 4), 3.0))
     assert torch.equal(module.ema.module[1].bias, module.net[1].bias)
+    assert module.ema.module[0].weight.requires_grad and not module.ema.module[1].bias.requires_grad

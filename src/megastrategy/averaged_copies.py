@@ -64,27 +64,31 @@ def refuse_unsharded_averaged_models(module: nn.Module, tp: int, pp: int) -> Non
             )
 
 
-def hold_averaged_copies(module: nn.Module) -> list[tuple[str, str, dict]]:
+def hold_averaged_copies(module: nn.Module) -> list[tuple[str, str, dict, set]]:
     """Before the split: take each ``AveragedModel``'s unsharded copy out of ``module`` (a placeholder
-    takes its place, so no plan sees it), keeping ``(its path, its source's path, its values)``."""
+    takes its place, so no plan sees it), keeping its path, its source's path, its values and which
+    of its parameters are frozen (``requires_grad_(False)``, usual for an EMA)."""
     from megastrategy.checkpoint.averaged_layout import averaged_candidates
 
     held = []
     for path, found in averaged_candidates(module).items():
         averaged = module.get_submodule(path)
         values = {k: v.detach().clone() for k, v in averaged.module.state_dict().items()}
+        frozen = {k for k, p in averaged.module.named_parameters() if not p.requires_grad}
         averaged.module = nn.Module()
-        held.append((path, found[0], values))
+        held.append((path, found[0], values, frozen))
     return held
 
 
-def remake_averaged_copies(module: nn.Module, held: list[tuple[str, str, dict]], layout_of) -> None:
+def remake_averaged_copies(module: nn.Module, held: list[tuple[str, str, dict, set]], layout_of) -> None:
     """After the split: each held ``AveragedModel`` copies its source as this rank holds it, and its
     saved averaged values are cut the same way (``layout_of(module)``: the checkpoint's description)."""
-    for path, source, _values in held:
-        module.get_submodule(path).module = deepcopy(module.get_submodule(source))
+    for path, source, _values, frozen in held:
+        copy = module.get_submodule(path).module = deepcopy(module.get_submodule(source))
+        for name, p in copy.named_parameters():
+            p.requires_grad_(name not in frozen)
     layout = layout_of(module)
-    for path, _source, values in held:
+    for path, _source, values, _frozen in held:
         copy = f"{path}.module."
         with torch.no_grad():
             for t, lay in layout.tensors.values():

@@ -36,7 +36,11 @@ def _split_of(module: nn.Module) -> tuple:
     from megastrategy.layers.shard_spec import get_shard_spec
     from megastrategy.moe.expert_attr import EXPERT_ATTR
 
-    return tuple((k, get_shard_spec(t), repr(getattr(t, EXPERT_ATTR, None)))
+    def expert(t: Tensor) -> tuple:
+        info = getattr(t, EXPERT_ATTR, None)
+        return tuple(getattr(info, f, None) for f in ("etp_dim", "etp_size", "etp_rank", "ep_dim", "ep_size", "ep_rank"))
+
+    return tuple((k, get_shard_spec(t), expert(t))
                  for k, t in module.state_dict(keep_vars=True).items() if isinstance(t, Tensor))
 
 

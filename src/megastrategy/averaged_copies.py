@@ -8,25 +8,26 @@ parameters with the rank's shards (a shape error under tp, the wrong blocks aver
 own shards, which is elementwise, so it equals the average of the whole model. A resumed run loads
 each rank's saved averaged weights into it (:mod:`megastrategy.checkpoint.swa_state`).
 
-A ``torch.optim.swa_utils.AveragedModel`` the user builds in ``__init__`` (an EMA of a submodule) is
-the same unsharded copy, but inside the module, where no plan shards it:
-:func:`refuse_unsharded_averaged_models` names it before any work, and what works instead. One
-built in ``on_fit_start`` trains right (each rank averages its shards), but its copies carry no
-shard description (``copy.deepcopy`` of a parameter drops it) and, under pp, stage-local names, so a
-sharded checkpoint would hold rank 0's part of it as if whole: :func:`warn_averaged_models_in_checkpoint`
-says so when a checkpoint is written.
+A ``torch.optim.swa_utils.AveragedModel`` the user builds before the split (in ``__init__``, or in
+``on_load_checkpoint`` so that a resumed ``fit`` loads the saved average into it, as DDP needs) is
+the same unsharded copy, inside the module, where no plan shards it: :func:`hold_averaged_copies`
+takes it out before the split and :func:`remake_averaged_copies` copies its source again after it,
+cutting the held averaged values like the source's. Its source is the one submodule of the same
+structure (:mod:`megastrategy.checkpoint.averaged_layout`); none or several: refused by name
+(:func:`refuse_unsharded_averaged_models`). One built in ``on_fit_start`` is a copy of the split
+source already; the checkpoint describes its tensors by its source's.
 """
 from __future__ import annotations
 
-import warnings
 from copy import deepcopy
 from typing import Any
 
+import torch
 from torch import nn
 
 from megastrategy.errors import MegatronConfigError
 
-__all__ = ["copy_sharded_for_swa", "refuse_unsharded_averaged_models", "warn_averaged_models_in_checkpoint"]
+__all__ = ["copy_sharded_for_swa", "refuse_unsharded_averaged_models", "hold_averaged_copies", "remake_averaged_copies"]
 
 
 def copy_sharded_for_swa(trainer: Any, module: nn.Module) -> None:
@@ -45,41 +46,51 @@ def copy_sharded_for_swa(trainer: Any, module: nn.Module) -> None:
 
 
 def refuse_unsharded_averaged_models(module: nn.Module, tp: int, pp: int) -> None:
-    """At tp > 1 or pp > 1, refuse an ``AveragedModel`` registered inside ``module``: it holds an
-    unsharded copy of layers the rank holds sharded (or not at all), so its ``update_parameters``
-    would fail on shapes or average the wrong layers."""
+    """At tp > 1 or pp > 1, refuse an ``AveragedModel`` registered inside ``module`` before the split
+    whose copy matches no single submodule: it could not be split like what it averages, so its
+    ``update_parameters`` would mismatch shapes or layers."""
     if tp == 1 and pp == 1:
         return
-    from torch.optim.swa_utils import AveragedModel
+    from megastrategy.checkpoint.averaged_layout import averaged_candidates
 
-    found = [name for name, sub in module.named_modules() if isinstance(sub, AveragedModel)]
-    if found:
-        raise MegatronConfigError(
-            f"module has an AveragedModel registered at {found[0]!r} (made before the strategy split the model); "
-            f"at tp={tp}, pp={pp} it would stay an unsharded copy while the layers it averages are split over ranks, "
-            "so update_parameters would mismatch shapes or layers. Build it once the strategy has set the model up, "
-            "e.g. `def on_fit_start(self): self.ema = AveragedModel(self.net, ...)` (each rank then averages the "
-            "shards it holds), or use Lightning's StochasticWeightAveraging callback; tp=1, pp=1 runs it as it is."
-        )
+    for path, found in averaged_candidates(module).items():
+        if len(found) != 1:
+            raise MegatronConfigError(
+                f"module has an AveragedModel registered at {path!r} (made before the strategy split the model) "
+                f"whose copy has the structure of {len(found)} of its submodules ({found}); at tp={tp}, pp={pp} it "
+                "must be split like the one it averages, which cannot be told. Build it once the strategy has set "
+                "the model up, e.g. `def on_fit_start(self): self.ema = AveragedModel(self.net, ...)` (each rank then "
+                "averages the shards it holds), or use Lightning's StochasticWeightAveraging callback."
+            )
 
 
-def warn_averaged_models_in_checkpoint(module: nn.Module, tp: int, pp: int) -> None:
-    """Once per module, on global rank 0, at tp > 1 or pp > 1: the checkpoint is about to store an
-    ``AveragedModel`` built after the strategy split the model, whose entries are rank 0's part."""
-    if (tp == 1 and pp == 1) or getattr(module, "_megastrategy_warned_averaged", False):
-        return
-    from torch.optim.swa_utils import AveragedModel
+def hold_averaged_copies(module: nn.Module) -> list[tuple[str, str, dict, set]]:
+    """Before the split: take each ``AveragedModel``'s unsharded copy out of ``module`` (a placeholder
+    takes its place, so no plan sees it), keeping its path, its source's path, its values and which
+    of its parameters are frozen (``requires_grad_(False)``, usual for an EMA)."""
+    from megastrategy.checkpoint.averaged_layout import averaged_candidates
 
-    from megastrategy.rank_zero import is_rank_zero
+    held = []
+    for path, found in averaged_candidates(module).items():
+        averaged = module.get_submodule(path)
+        values = {k: v.detach().clone() for k, v in averaged.module.state_dict().items()}
+        frozen = {k for k, p in averaged.module.named_parameters() if not p.requires_grad}
+        averaged.module = nn.Module()
+        held.append((path, found[0], values, frozen))
+    return held
 
-    found = [name for name, sub in module.named_modules() if isinstance(sub, AveragedModel)]
-    if found and is_rank_zero():
-        module._megastrategy_warned_averaged = True
-        warnings.warn(
-            f"MegatronStrategy: the checkpoint stores the AveragedModel at {found[0]!r} as global rank 0 holds it "
-            f"(at tp={tp}, pp={pp} that is its tensor-parallel shards or pipeline stage, not the whole averaged "
-            "model): training is right, but its weights in this checkpoint are not. Keep the average outside the "
-            "module's state (e.g. evaluate or export it at the end of fit), or use the StochasticWeightAveraging "
-            "callback, whose averaged weights each rank saves and resumes.",
-            UserWarning, stacklevel=2,
-        )
+
+def remake_averaged_copies(module: nn.Module, held: list[tuple[str, str, dict, set]], layout_of) -> None:
+    """After the split: each held ``AveragedModel`` copies its source as this rank holds it, and its
+    saved averaged values are cut the same way (``layout_of(module)``: the checkpoint's description)."""
+    for path, source, _values, frozen in held:
+        copy = module.get_submodule(path).module = deepcopy(module.get_submodule(source))
+        for name, p in copy.named_parameters():
+            p.requires_grad_(name not in frozen)
+    layout = layout_of(module)
+    for path, _source, values, _frozen in held:
+        copy = f"{path}.module."
+        with torch.no_grad():
+            for t, lay in layout.tensors.values():
+                if lay.name.startswith(copy):
+                    t.copy_(lay.shard_full(values[lay.name[len(copy):]]).to(t.device, t.dtype))

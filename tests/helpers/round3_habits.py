@@ -304,10 +304,20 @@ class EmaGPT(GPT):
     def _average(self):
         from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 
-        return AveragedModel(self.blocks, multi_avg_fn=get_ema_multi_avg_fn(0.5))
+        return AveragedModel(self.blocks, multi_avg_fn=get_ema_multi_avg_fn(0.5)).requires_grad_(False)
+
+    def configure_optimizers(self):
+        """The model's own parameters (the EMA's may exist already: resumed). SGD: Adam would blow the
+        rounding noise of a gradient that is zero in exact arithmetic (a key's bias) up to lr."""
+        return torch.optim.SGD([p for n, p in self.named_parameters() if not n.startswith("ema.")], lr=0.05)
 
     def on_fit_start(self):
-        if self.when == "fit_start":
+        if self.when == "fit_start" and not hasattr(self, "ema"):  # resumed: made by on_load_checkpoint
+            self.ema = self._average()
+
+    def on_load_checkpoint(self, checkpoint):
+        """The saved average must find its module to load into (DDP's strict loading, too)."""
+        if self.when == "fit_start" and not hasattr(self, "ema"):
             self.ema = self._average()
 
     def on_train_batch_end(self, outputs, batch, batch_idx):
@@ -330,23 +340,18 @@ def _ema(when):
 
 
 def ema_saved(args, workdir):
-    """An EMA built in ``on_fit_start`` is part of the module's state: what the checkpoint holds of it."""
-    import warnings
-
-    module = EmaGPT("fit_start", batch_size=8 // args.dp)
-    t = trainer(args, max_steps=2, limit_val_batches=0)
+    """An EMA built in ``on_fit_start`` is part of the module's state: the checkpoint holds it whole
+    (consolidated like the parameters it averages); ``fit(ckpt_path=...)`` continues it."""
+    losses, module = StepLosses(), EmaGPT("fit_start", batch_size=8 // args.dp, n_train=16)
+    t = trainer(args, [losses], max_steps=2, limit_val_batches=0)  # one epoch: DDP resumes at the next
     t.fit(module)
-    with warnings.catch_warnings(record=True) as seen:
-        warnings.simplefilter("always")
-        t.save_checkpoint(str(workdir / "ema.ckpt"))
-    if args.strategy == "ddp":
-        state = torch.load(workdir / "ema.ckpt", weights_only=False)["state_dict"]
-    else:
-        from megastrategy.checkpoint.sharded import load_full_model_state
-
-        state = load_full_model_state(workdir / "ema.ckpt")
-    return {"warnings": [str(w.message) for w in seen if "AveragedModel" in str(w.message)],
-            "ema": {k: [list(v.shape), float(v.float().abs().sum())] for k, v in state.items() if k.startswith("ema.")}}
+    path = str(workdir / "ema.ckpt")
+    t.save_checkpoint(path)
+    resumed = EmaGPT("fit_start", batch_size=8 // args.dp, n_train=16)
+    t = trainer(args, [losses], max_steps=4, limit_val_batches=0)
+    t.fit(resumed, ckpt_path=path)
+    t.save_checkpoint(str(workdir / "ema-resumed.ckpt"))
+    return {"losses": losses.losses, "ckpt": path, "resumed_ckpt": str(workdir / "ema-resumed.ckpt")}
 
 
 # ---------------------------------------------------------------- 8. the learning-rate finder

@@ -21,6 +21,8 @@ fused experts (one ``[E, ...]`` tensor) hold whole experts along dim 0: chunks o
 Names: ``TensorParallelMultiheadAttention`` keeps its packed projection in ``in_proj.weight``
 / ``in_proj.bias``; the user's ``nn.MultiheadAttention`` calls them ``in_proj_weight`` /
 ``in_proj_bias``. Pipeline stages keep global block indices, so their names need no change.
+A user's ``AveragedModel`` (an EMA) holds deep copies that lost their split description: each
+copied tensor is described by the one it averages (:mod:`.averaged_layout`), under its own name.
 
 Every chunk is a view of the rank's tensor, so the same description serves saving (read the
 views) and loading in place (write into them).
@@ -191,17 +193,28 @@ def _tensor_layout(key: str, name: str, t: Tensor, tp_rank: int, tp_size: int, t
     return TensorLayout(name=name, transposed=transposed, tp_rank=tp_rank, tp_size=tp_size)
 
 
+def _source_key(key: str, sources: dict[str, str]) -> str:
+    for copy, source in sources.items():
+        if key.startswith(copy):
+            return source + key[len(copy):]
+    return key
+
+
 def module_layout(module: nn.Module, tp_rank: int = 0, tp_size: int = 1, plan: Any = None) -> ModuleLayout:
     """Describe every ``state_dict`` entry of ``module`` (a rank's sharded and/or cut module).
 
     ``plan`` (the strategy's ``ResolvedPlan``) is only needed for models with Hugging Face
     ``Conv1D`` layers: it is where the ``[in, out]`` storage of the original is recorded.
     """
+    from megastrategy.checkpoint.averaged_layout import averaged_sources
+
     renames = canonical_names(module)
     transposed = _transposed_keys(module, plan)
+    sources = averaged_sources(module)
+    state = module.state_dict(keep_vars=True)
     tensors: dict[str, tuple[Tensor, TensorLayout]] = {}
     seen_canonical: dict[str, str] = {}
-    for key, t in module.state_dict(keep_vars=True).items():
+    for key, t in state.items():
         if not isinstance(t, Tensor):
             continue
         if key == "_extra_state" or key.endswith("._extra_state"):
@@ -210,7 +223,8 @@ def module_layout(module: nn.Module, tp_rank: int = 0, tp_size: int = 1, plan: A
         if name in seen_canonical:
             raise ValueError(f"state_dict keys {seen_canonical[name]!r} and {key!r} both map to {name!r}")
         seen_canonical[name] = key
-        tensors[key] = (t, _tensor_layout(key, name, t, tp_rank, tp_size, key in transposed))
+        src = _source_key(key, sources)  # an AveragedModel's copy: split like what it averages
+        tensors[key] = (t, _tensor_layout(src, name, state[src], tp_rank, tp_size, src in transposed))
     param_names: dict[int, list[str]] = {}
     for key, p in module.named_parameters(remove_duplicate=False):
         if key in tensors:

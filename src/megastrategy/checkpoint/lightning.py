@@ -23,6 +23,7 @@ from typing import Any, Callable, Optional
 
 from torch import Tensor
 
+from megastrategy.checkpoint.averaged_layout import without_absent_averaged_models
 from megastrategy.checkpoint.compatibility import check_model_matches
 from megastrategy.checkpoint.dcp_io import PathLike, read_metadata
 from megastrategy.checkpoint.resume import ExactResume
@@ -129,5 +130,5 @@ def _check_whole_model(path: PathLike, module: Any) -> None:
     """Before Lightning loads the full state dict into the user's (not yet sharded) module."""
     here = {k: tuple(v.shape) for k, v in module.state_dict().items() if isinstance(v, Tensor)}
     if here:  # a model built later (configure_model) is checked when it is loaded in place
-        saved = saved_model_shapes(read_metadata(path).state_dict_metadata)
+        saved = without_absent_averaged_models(saved_model_shapes(read_metadata(path).state_dict_metadata), here)
         check_model_matches(path, saved, here, strict=bool(getattr(module, "strict_loading", True)), whole=True)

@@ -10,7 +10,6 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Optional
 
-from megastrategy.averaged_copies import warn_averaged_models_in_checkpoint
 from megastrategy.checkpoint.dcp_io import remove_checkpoint_dir
 from megastrategy.checkpoint.sharded import MODEL
 from megastrategy.checkpoint.streaming import DEFAULT_SHARD_BYTES, write_safetensors_shards
@@ -31,7 +30,6 @@ class CheckpointMethods:
         if storage_options is not None:
             raise TypeError("MegatronStrategy.save_checkpoint: storage_options are not supported.")
         self.wait_for_param_gather()  # overlap_param_gather: the step's update in every parameter
-        warn_averaged_models_in_checkpoint(self.lightning_module, self.config.tp, self.config.pp)
         barrier = lambda: self.barrier("megastrategy.save_checkpoint")  # noqa: E731
         self.checkpoints.save(self.lightning_module, lambda: list(self.optimizers), checkpoint, filepath, barrier)
 

@@ -1,5 +1,6 @@
 """Every component class, in one namespace for the strategy's ordered list (and for users who
 want to look one up with ``strategy.component(kind)``)."""
+from megastrategy.averaged_copies_component import AveragedCopies
 from megastrategy.checkpoint.component import Checkpoints
 from megastrategy.context.component import ContextParallelComponent
 from megastrategy.cuda_graphs.component import CudaGraphs
@@ -12,6 +13,6 @@ from megastrategy.pipeline.component import Pipeline
 from megastrategy.runtime import BatchBroadcast, Watchdog
 
 __all__ = [
-    "BatchBroadcast", "BufferBroadcast", "Checkpoints", "ContextParallelComponent", "CudaGraphs", "ExpertParallel", "GradientBuffers", "NonFiniteGuard", "Pipeline",
+    "AveragedCopies", "BatchBroadcast", "BufferBroadcast", "Checkpoints", "ContextParallelComponent", "CudaGraphs", "ExpertParallel", "GradientBuffers", "NonFiniteGuard", "Pipeline",
     "Recompute", "SequenceParallel", "TensorParallel", "TransformerEngine", "Watchdog",
 ]

@@ -24,12 +24,6 @@ from lightning.pytorch.trainer.states import TrainerFn
 from torch import nn
 
 from megastrategy import all_components as parts
-from megastrategy.averaged_copies import (
-    copy_sharded_for_swa,
-    hold_averaged_copies,
-    refuse_unsharded_averaged_models,
-    remake_averaged_copies,
-)
 from megastrategy.checkpoint.strategy_methods import CheckpointMethods
 from megastrategy.component import Component, Environment, SetupContext
 from megastrategy.component_list import ComponentList
@@ -92,6 +86,7 @@ class MegatronStrategy(LightningStepMethods, CheckpointMethods, ReplicaCollectiv
             parts.Pipeline(c),
             parts.ExpertParallel(c),
             parts.CudaGraphs(c),
+            parts.AveragedCopies(c),  # after every component that splits the model, before the grad buffer
             parts.BufferBroadcast(c, self._ddp_kwargs.get("broadcast_buffers", True)),
             self.grad_buffers,
             self.checkpoints,
@@ -148,7 +143,6 @@ class MegatronStrategy(LightningStepMethods, CheckpointMethods, ReplicaCollectiv
         if not any(True for _ in module.parameters()):
             return  # built in configure_model(); validated in setup()
         self.components.each("validate", module, self.layout)
-        refuse_unsharded_averaged_models(module, self.config.tp, self.config.pp)
         self._model_validated = True
 
     @property
@@ -175,17 +169,14 @@ class MegatronStrategy(LightningStepMethods, CheckpointMethods, ReplicaCollectiv
         self._ctx.precision_plugin = self.precision_plugin
         self.components.each("configure", self._ctx)
         if not sharded:
-            held = hold_averaged_copies(module) if self.config.tp > 1 or self.config.pp > 1 else []
             self.components.each("apply", module, self._ctx)
             module._megastrategy_sharded = True
-            remake_averaged_copies(module, held, self._describe_shards)
             set_metric_process_group(module, ps.dp_group)
         if self._runner is None or not sharded:
             self._runner = StepRunner.build(self._ctx, self.components)
         self.precision_plugin.convert_module(self.model)
         self.model_to_device()
         if trainer.state.fn == TrainerFn.FITTING:
-            copy_sharded_for_swa(trainer, module)
             self._setup_gradients(trainer, module)
         self.setup_precision_plugin()
         adopt_precision_plugin(self.precision_plugin, clip_norm=self.grad_buffers.clip_grad_norm,
@@ -193,13 +184,6 @@ class MegatronStrategy(LightningStepMethods, CheckpointMethods, ReplicaCollectiv
                                finalize=self._finalize_grads)
         if trainer.state.fn == TrainerFn.FITTING:
             _optimizers_to_device(self.optimizers, self.root_device)
-
-    def _describe_shards(self, module: nn.Module) -> Any:
-        """This rank's tensors as chunks of the user's (what a checkpoint reads)."""
-        from megastrategy.checkpoint.layout import module_layout
-
-        ps = self._state()
-        return module_layout(module, ps.tp_rank, ps.tp_size, self._ctx.plan)
 
     def _setup_gradients(self, trainer: "pl.Trainer", module: nn.Module) -> None:
         self._ctx.grad_buffers.clear()

@@ -1,0 +1,61 @@
+"""A LitGPT model (``litgpt.model.GPT``) trained the way Lightning's users write it: the module
+holds ``self.model = GPT(Config(...))``, ``training_step`` computes the next-token loss itself with
+``F.cross_entropy(logits.view(-1, V), y.view(-1))``. ``--groups`` picks the key/value query groups
+(2: GQA, 4: plain multi-head). Launched on N processes by tests/helpers/launch.py; rank 0 writes
+the per-step losses and the validation loss to ``--out``.
+"""
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import lightning as L  # noqa: E402
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+from tests.helpers.script_args import fit_and_report, layout_parser  # noqa: E402
+
+VOCAB = 128
+
+
+class LitGPTModule(L.LightningModule):
+    def __init__(self, groups: int) -> None:
+        super().__init__()
+        from litgpt.config import Config
+        from litgpt.model import GPT
+
+        config = Config(n_layer=4, n_embd=32, n_head=4, n_query_groups=groups, block_size=32, vocab_size=VOCAB,
+                        padded_vocab_size=VOCAB, bias=False, mlp_class_name="LLaMAMLP", intermediate_size=64,
+                        norm_class_name="RMSNorm", rotary_percentage=1.0, parallel_residual=False)
+        self.model = GPT(config)
+
+    def _loss(self, batch):
+        (ids,) = batch
+        x, y = ids[:, :-1], ids[:, 1:]
+        logits = self.model(x)
+        return F.cross_entropy(logits.reshape(-1, VOCAB), y.reshape(-1))
+
+    def training_step(self, batch, batch_idx):
+        loss = self._loss(batch)
+        self.log("train_loss", loss)
+        return loss
+
+    def validation_step(self, batch, batch_idx):
+        self.log("val_loss", self._loss(batch))
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=1e-2)
+
+
+if __name__ == "__main__":
+    parser = layout_parser()
+    parser.add_argument("--groups", type=int, default=2)
+    args = parser.parse_args()
+    L.seed_everything(0)
+    data = torch.utils.data.TensorDataset(
+        torch.randint(0, VOCAB, (64, 17), generator=torch.Generator().manual_seed(0)))
+    fit_and_report(args, LitGPTModule(args.groups), data, max_steps=3)

@@ -6,6 +6,7 @@ the per-step losses and the validation loss to ``--out``.
 """
 from __future__ import annotations
 
+import json
 import os
 import sys
 from pathlib import Path
@@ -54,8 +55,10 @@ class LitGPTModule(L.LightningModule):
 if __name__ == "__main__":
     parser = layout_parser()
     parser.add_argument("--groups", type=int, default=2)
+    parser.add_argument("--tp-plan", default=None, help="the strategy's tp_plan as JSON")
     args = parser.parse_args()
     L.seed_everything(0)
     data = torch.utils.data.TensorDataset(
         torch.randint(0, VOCAB, (64, 17), generator=torch.Generator().manual_seed(0)))
-    fit_and_report(args, LitGPTModule(args.groups), data, max_steps=3)
+    plan = {"tp_plan": json.loads(args.tp_plan)} if args.tp_plan else {}
+    fit_and_report(args, LitGPTModule(args.groups), data, max_steps=3, **plan)

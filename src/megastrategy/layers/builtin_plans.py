@@ -57,11 +57,13 @@ from torch import nn
 
 from megastrategy.layers.encoder_plans import encoder_units
 from megastrategy.layers.hf_declared import declared_plan
+from megastrategy.layers.litgpt_plans import litgpt_units
 from megastrategy.layers.structural_plans import structural_units
 from megastrategy.layers.unit_types import (
     HEAD_ATTRS,
     BuiltinDetection,
     BuiltinUnit,
+    Refusal,
     SizeCheck,
     int_attr,
     is_conv1d,
@@ -89,6 +91,7 @@ KNOWN_ARCHITECTURES = (
     "Llama/Mistral/Qwen2/Qwen3/StableLM",
     "torch.nn.TransformerEncoderLayer/TransformerDecoderLayer",
     "torch.nn.MultiheadAttention",
+    "LitGPT (litgpt.model.GPT with n_query_groups == n_head)",
 )
 
 _LLAMA_FAMILY = ("Llama", "Mistral", "Qwen2", "Qwen3", "StableLm")
@@ -225,6 +228,9 @@ def detect_builtin_plan(module: nn.Module) -> BuiltinDetection:
         for detector in _DETECTORS:
             units.extend(detector(name, m))
     refused = list(declared.refused)
+    for name, m in module.named_modules():
+        for found in litgpt_units(name, m):
+            (refused if isinstance(found, Refusal) else units).append(found)
     for name, m in _undeclared_hf_models(module, declared.roots):
         covered = {member for u in units for member, _, _ in u.members}
         found, refusals = structural_units(name, m, covered)

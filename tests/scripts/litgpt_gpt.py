@@ -18,6 +18,7 @@ import lightning as L  # noqa: E402
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
+from tests.helpers.litgpt_runs import tiny_litgpt  # noqa: E402
 from tests.helpers.script_args import fit_and_report, layout_parser  # noqa: E402
 
 VOCAB = 128
@@ -26,19 +27,13 @@ VOCAB = 128
 class LitGPTModule(L.LightningModule):
     def __init__(self, groups: int) -> None:
         super().__init__()
-        from litgpt.config import Config
-        from litgpt.model import GPT
-
-        config = Config(n_layer=4, n_embd=32, n_head=4, n_query_groups=groups, block_size=32, vocab_size=VOCAB,
-                        padded_vocab_size=VOCAB, bias=False, mlp_class_name="LLaMAMLP", intermediate_size=64,
-                        norm_class_name="RMSNorm", rotary_percentage=1.0, parallel_residual=False)
-        self.model = GPT(config)
+        self.model = tiny_litgpt(groups)
 
     def _loss(self, batch):
         (ids,) = batch
         x, y = ids[:, :-1], ids[:, 1:]
         logits = self.model(x)
-        return F.cross_entropy(logits.reshape(-1, VOCAB), y.reshape(-1))
+        return F.cross_entropy(logits.view(-1, VOCAB), y.reshape(-1))
 
     def training_step(self, batch, batch_idx):
         loss = self._loss(batch)

@@ -59,6 +59,7 @@ from megastrategy.layers.encoder_plans import encoder_units
 from megastrategy.layers.hf_declared import declared_plan
 from megastrategy.layers.litgpt_plans import litgpt_units
 from megastrategy.layers.structural_plans import structural_units
+from megastrategy.layers.timm_plans import timm_units
 from megastrategy.layers.unit_types import (
     HEAD_ATTRS,
     BuiltinDetection,
@@ -92,6 +93,7 @@ KNOWN_ARCHITECTURES = (
     "torch.nn.TransformerEncoderLayer/TransformerDecoderLayer",
     "torch.nn.MultiheadAttention",
     "LitGPT (litgpt.model.GPT with n_query_groups == n_head)",
+    "timm Vision Transformer blocks (Attention, Mlp)",
 )
 
 _LLAMA_FAMILY = ("Llama", "Mistral", "Qwen2", "Qwen3", "StableLm")
@@ -209,7 +211,7 @@ def _torch(name: str, m: nn.Module) -> Iterable[BuiltinUnit]:
         yield BuiltinUnit(arch="torch", kind="mlp", owner=name, members=members)
 
 
-_DETECTORS = (encoder_units, _gpt2, _llama, _torch)
+_DETECTORS = (encoder_units, _gpt2, _llama, _torch, timm_units)
 
 
 def _inside(name: str, roots: dict[str, str]) -> bool:

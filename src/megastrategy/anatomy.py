@@ -70,23 +70,31 @@ def find_layer_stack(module: nn.Module, pipeline_layers: Optional[str] = None) -
     pipeline_layers = pipeline_layers or pp_plan_stack(module)
     if pipeline_layers is not None:
         stack = get_submodule_path(module, pipeline_layers)
-        if not isinstance(stack, nn.ModuleList):
+        if not isinstance(stack, (nn.ModuleList, nn.Sequential)):
             raise MegatronConfigError(
-                f"pipeline_layers={pipeline_layers!r} is a {type(stack).__name__}, not an nn.ModuleList; "
+                f"pipeline_layers={pipeline_layers!r} is a {type(stack).__name__}, not an nn.ModuleList or nn.Sequential; "
                 "point it at the list of transformer blocks (for example 'model.bert.encoder.layer')."
             )
         return pipeline_layers, stack
-    best: tuple[str, nn.ModuleList] | None = None
-    for name, m in module.named_modules():
-        if isinstance(m, nn.ModuleList) and len(m) > 0 and len({type(b) for b in m}) == 1:
-            if best is None or len(m) > len(best[1]):
-                best = (name, m)
+    best = _longest_uniform(module, nn.ModuleList) or _longest_uniform(module, nn.Sequential)
     if best is None:
         raise MegatronConfigError(
             f"{type(module).__name__} has no nn.ModuleList of identical blocks to split over pipeline stages; "
             + (_mixed_stack_hint(module) or
                "keep the transformer blocks in an nn.ModuleList and pass its path as pipeline_layers='...'.")
         )
+    return best
+
+
+def _longest_uniform(module: nn.Module, kind: type) -> Optional[tuple[str, nn.Module]]:
+    """The longest ``kind`` container whose entries are all of one type. An ``nn.Sequential`` is
+    only looked for when no ``nn.ModuleList`` qualifies: timm keeps its blocks in one
+    (``self.blocks(x)``), but so do small MLPs inside models whose blocks are in a list."""
+    best: Optional[tuple[str, nn.Module]] = None
+    for name, m in module.named_modules():
+        if type(m) is kind or (kind is nn.ModuleList and isinstance(m, nn.ModuleList)):
+            if len(m) > 0 and len({type(b) for b in m}) == 1 and (best is None or len(m) > len(best[1])):
+                best = (name, m)
     return best
 
 

@@ -76,7 +76,9 @@ def find_layer_stack(module: nn.Module, pipeline_layers: Optional[str] = None) -
                 "point it at the list of transformer blocks (for example 'model.bert.encoder.layer')."
             )
         return pipeline_layers, stack
-    best = _longest_uniform(module, nn.ModuleList) or _longest_uniform(module, nn.Sequential)
+    best = _longest_uniform(module, nn.ModuleList)
+    if best is None and _mixed_stack_hint(module) is None:
+        best = _longest_uniform(module, nn.Sequential)
     if best is None:
         raise MegatronConfigError(
             f"{type(module).__name__} has no nn.ModuleList of identical blocks to split over pipeline stages; "
@@ -88,13 +90,17 @@ def find_layer_stack(module: nn.Module, pipeline_layers: Optional[str] = None) -
 
 def _longest_uniform(module: nn.Module, kind: type) -> Optional[tuple[str, nn.Module]]:
     """The longest ``kind`` container whose entries are all of one type. An ``nn.Sequential`` is
-    only looked for when no ``nn.ModuleList`` qualifies: timm keeps its blocks in one
-    (``self.blocks(x)``), but so do small MLPs inside models whose blocks are in a list."""
+    only looked for when no ``nn.ModuleList`` holds blocks: timm keeps its blocks in one
+    (``self.blocks(x)``), but small MLPs are one too, so it must hold at least two blocks that
+    are themselves containers (not bare layers)."""
     best: Optional[tuple[str, nn.Module]] = None
     for name, m in module.named_modules():
-        if type(m) is kind or (kind is nn.ModuleList and isinstance(m, nn.ModuleList)):
-            if len(m) > 0 and len({type(b) for b in m}) == 1 and (best is None or len(m) > len(best[1])):
-                best = (name, m)
+        if not isinstance(m, kind) or len(m) == 0 or len({type(b) for b in m}) != 1:
+            continue
+        if kind is nn.Sequential and (type(m) is not nn.Sequential or len(m) < 2 or not any(True for _ in m[0].children())):
+            continue
+        if best is None or len(m) > len(best[1]):
+            best = (name, m)
     return best
 
 

@@ -65,7 +65,8 @@ def find_layer_stack(module: nn.Module, pipeline_layers: Optional[str] = None) -
     """The dotted path and the ``nn.ModuleList`` of blocks to split over pipeline stages.
 
     ``pipeline_layers`` wins; then the Hugging Face config's ``base_model_pp_plan``; then the
-    longest ``ModuleList`` whose entries are all of one type.
+    longest ``ModuleList`` whose entries are all of one type; failing that (and with no list
+    mixing kinds of blocks), the longest ``nn.Sequential`` of identical blocks (timm's ViT).
     """
     pipeline_layers = pipeline_layers or pp_plan_stack(module)
     if pipeline_layers is not None:

@@ -7,7 +7,9 @@ sharded, a parameter-free copy of the Hugging Face model on the meta device runs
 after the last block, or both, and which block each application of the stack called (ALBERT
 applies one shared block N times). Nothing real is computed and no random number is drawn.
 A vision or audio model, whose ``dummy_inputs`` lack its main input, gets a random one shaped
-from its config (:func:`megastrategy.layers.random_ids_forward.random_main_input`).
+from its config (:func:`megastrategy.layers.random_ids_forward.random_main_input`). A token-id
+model outside transformers (LitGPT's ``GPT``, which registers ``lm_head`` before its blocks) is
+run the same way on ids passed positionally, when its ``config`` names a vocabulary size.
 
 The run also records the plain (non-tensor) arguments each application of the stack gets: one
 that differs from the first application's (Swin's ``input_dimensions``, halved after each

@@ -10,15 +10,24 @@ from tests.helpers.launch import run_script
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "litgpt_gpt.py"
 
 
-def tiny_litgpt(groups: int):
-    """4 layers, embedding 32, 4 heads in ``groups`` key/value groups, vocab 128 (LLaMA-style MLP)."""
+#: LitGPT layouts: LLaMA-style (RMSNorm, gated MLP, rotary on every dim) and Pythia-style (parallel
+#: residual, LayerNorm, GELU MLP, biases, rotary on a quarter of each head)
+VARIANTS = {
+    "llama": dict(bias=False, mlp_class_name="LLaMAMLP", norm_class_name="RMSNorm", rotary_percentage=1.0,
+                  parallel_residual=False),
+    "neox": dict(bias=True, mlp_class_name="GptNeoxMLP", norm_class_name="LayerNorm", rotary_percentage=0.25,
+                 parallel_residual=True),
+}
+
+
+def tiny_litgpt(groups: int, variant: str = "llama"):
+    """4 layers, embedding 32, 4 heads in ``groups`` key/value groups, vocab 128."""
     pytest.importorskip("litgpt", reason="LitGPT is optional: pip install --no-deps litgpt")
     from litgpt.config import Config
     from litgpt.model import GPT
 
     return GPT(Config(n_layer=4, n_embd=32, n_head=4, n_query_groups=groups, block_size=32, vocab_size=128,
-                      padded_vocab_size=128, bias=False, mlp_class_name="LLaMAMLP", intermediate_size=64,
-                      norm_class_name="RMSNorm", rotary_percentage=1.0, parallel_residual=False))
+                      padded_vocab_size=128, intermediate_size=64, **VARIANTS[variant]))
 
 
 @lru_cache(maxsize=None)

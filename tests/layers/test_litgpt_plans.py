@@ -34,3 +34,11 @@ def test_grouped_query_attention_is_refused_naming_the_replicate_plan():
 @pytest.mark.timeout(500)
 def test_litgpt_trains_like_one_device_tp2():
     assert_litgpt_matches_ddp("--tp", "2")
+
+
+def test_pythia_style_blocks_shard_their_gelu_mlp_and_biased_qkv():
+    plan = resolve_tp_plan(tiny_litgpt(groups=4, variant="neox"), None, 2)
+    got = {e.name: (e.style, e.extra.get("packed_chunks", 1)) for e in plan.entries if e.style != "replicate"}
+    block = "transformer.h.3"
+    assert got[f"{block}.attn.qkv"] == ("column", 3) and got[f"{block}.mlp.fc"] == ("column", 1)
+    assert got[f"{block}.mlp.proj"] == ("row", 1)

@@ -25,9 +25,9 @@ VOCAB = 128
 
 
 class LitGPTModule(L.LightningModule):
-    def __init__(self, groups: int) -> None:
+    def __init__(self, groups: int, variant: str) -> None:
         super().__init__()
-        self.model = tiny_litgpt(groups)
+        self.model = tiny_litgpt(groups, variant)
 
     def _loss(self, batch):
         (ids,) = batch
@@ -50,10 +50,11 @@ class LitGPTModule(L.LightningModule):
 if __name__ == "__main__":
     parser = layout_parser()
     parser.add_argument("--groups", type=int, default=2)
+    parser.add_argument("--variant", default="llama", help="tests/helpers/litgpt_runs.py VARIANTS")
     parser.add_argument("--tp-plan", default=None, help="the strategy's tp_plan as JSON")
     args = parser.parse_args()
     L.seed_everything(0)
     data = torch.utils.data.TensorDataset(
         torch.randint(0, VOCAB, (64, 17), generator=torch.Generator().manual_seed(0)))
     plan = {"tp_plan": json.loads(args.tp_plan)} if args.tp_plan else {}
-    fit_and_report(args, LitGPTModule(args.groups), data, max_steps=3, **plan)
+    fit_and_report(args, LitGPTModule(args.groups, args.variant), data, max_steps=3, **plan)

@@ -63,7 +63,9 @@ def step_losses_callback():
     return StepLosses()
 
 
-def fit_and_report(args: argparse.Namespace, module, data, max_steps: int, extra=None, **megatron: object) -> None:
+def fit_and_report(
+    args: argparse.Namespace, module, data, max_steps: int, extra=None, **megatron: object
+) -> None:
     """Fit ``module`` on ``data`` (batches of 8, the same data for validation) with
     :func:`short_fit_trainer`; rank 0 writes the per-step losses, the validation loss and
     ``extra(trainer)``'s items to ``args.out``; ``megatron`` goes to the strategy; then leave (:func:`leave_without_static_destructors`)."""

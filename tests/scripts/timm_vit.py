@@ -43,5 +43,6 @@ if __name__ == "__main__":
     args = layout_parser().parse_args()
     L.seed_everything(0)
     gen = torch.Generator().manual_seed(0)
-    data = torch.utils.data.TensorDataset(torch.randn(64, 3, 32, 32, generator=gen), torch.randint(0, 10, (64,), generator=gen))
+    images, labels = torch.randn(64, 3, 32, 32, generator=gen), torch.randint(0, 10, (64,), generator=gen)
+    data = torch.utils.data.TensorDataset(images, labels)
     fit_and_report(args, ViTModule(), data, max_steps=3)

@@ -108,7 +108,9 @@ def _check_refused(ctx: PlanContext, effective: dict[str, Effective]) -> None:
             continue
         glob = globify(module)
         if r.origin == "builtin":
-            raise MegatronConfigError(f"tp={ctx.tp_size} with auto-detection: {r.module!r} is a {r.style}, and {r.reason}. {r.advice}")
+            raise MegatronConfigError(
+                f"tp={ctx.tp_size} with auto-detection: {r.module!r} is a {r.style}, and {r.reason}. {r.advice}"
+            )
         if r.advice:
             raise MegatronConfigError(
                 f"tp={ctx.tp_size} with auto-detection: Hugging Face declares tensor-parallel style {r.style!r} for "

@@ -72,3 +72,22 @@ def test_a_module_called_on_both_sides_of_the_stack_is_tied_between_first_and_la
     anatomy = ModelAnatomy.of(module, "blocks", called)
     assert [o.name for o in anatomy.pre] == ["embed", "norm"] and [o.name for o in anatomy.post] == ["norm", "head"]
     assert {id(p) for p in anatomy.tied_parameters} == {id(p) for p in module.norm.parameters()}
+
+
+def test_blocks_in_a_sequential_are_the_stack_only_when_no_list_holds_blocks():
+    """timm keeps a ViT's blocks in an nn.Sequential; an MLP's Sequential of bare layers is no stack."""
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+
+    class ViTLike(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.blocks = nn.Sequential(Block(), Block(), Block())
+
+    model = ViTLike()
+    assert find_layer_stack(model) == ("blocks", model.blocks)
+    model.layers = nn.ModuleList([Block(), Block()])
+    assert find_layer_stack(model)[0] == "layers"

@@ -65,28 +65,43 @@ def find_layer_stack(module: nn.Module, pipeline_layers: Optional[str] = None) -
     """The dotted path and the ``nn.ModuleList`` of blocks to split over pipeline stages.
 
     ``pipeline_layers`` wins; then the Hugging Face config's ``base_model_pp_plan``; then the
-    longest ``ModuleList`` whose entries are all of one type.
+    longest ``ModuleList`` whose entries are all of one type; failing that (and with no list
+    mixing kinds of blocks), the longest ``nn.Sequential`` of identical blocks (timm's ViT).
     """
     pipeline_layers = pipeline_layers or pp_plan_stack(module)
     if pipeline_layers is not None:
         stack = get_submodule_path(module, pipeline_layers)
-        if not isinstance(stack, nn.ModuleList):
+        if not isinstance(stack, (nn.ModuleList, nn.Sequential)):
             raise MegatronConfigError(
-                f"pipeline_layers={pipeline_layers!r} is a {type(stack).__name__}, not an nn.ModuleList; "
+                f"pipeline_layers={pipeline_layers!r} is a {type(stack).__name__}, not an nn.ModuleList or nn.Sequential; "
                 "point it at the list of transformer blocks (for example 'model.bert.encoder.layer')."
             )
         return pipeline_layers, stack
-    best: tuple[str, nn.ModuleList] | None = None
-    for name, m in module.named_modules():
-        if isinstance(m, nn.ModuleList) and len(m) > 0 and len({type(b) for b in m}) == 1:
-            if best is None or len(m) > len(best[1]):
-                best = (name, m)
+    best = _longest_uniform(module, nn.ModuleList)
+    if best is None and _mixed_stack_hint(module) is None:
+        best = _longest_uniform(module, nn.Sequential)
     if best is None:
         raise MegatronConfigError(
             f"{type(module).__name__} has no nn.ModuleList of identical blocks to split over pipeline stages; "
             + (_mixed_stack_hint(module) or
                "keep the transformer blocks in an nn.ModuleList and pass its path as pipeline_layers='...'.")
         )
+    return best
+
+
+def _longest_uniform(module: nn.Module, kind: type) -> Optional[tuple[str, nn.Module]]:
+    """The longest ``kind`` container whose entries are all of one type. An ``nn.Sequential`` is
+    only looked for when no ``nn.ModuleList`` holds blocks: timm keeps its blocks in one
+    (``self.blocks(x)``), but small MLPs are one too, so it must hold at least two blocks that
+    are themselves containers (not bare layers)."""
+    best: Optional[tuple[str, nn.Module]] = None
+    for name, m in module.named_modules():
+        if not isinstance(m, kind) or len(m) == 0 or len({type(b) for b in m}) != 1:
+            continue
+        if kind is nn.Sequential and (type(m) is not nn.Sequential or len(m) < 2 or not any(True for _ in m[0].children())):
+            continue
+        if best is None or len(m) > len(best[1]):
+            best = (name, m)
     return best
 
 

@@ -63,17 +63,19 @@ def step_losses_callback():
     return StepLosses()
 
 
-def fit_and_report(args: argparse.Namespace, module, data, max_steps: int, extra=None) -> None:
+def fit_and_report(
+    args: argparse.Namespace, module, data, max_steps: int, extra=None, **megatron: object
+) -> None:
     """Fit ``module`` on ``data`` (batches of 8, the same data for validation) with
     :func:`short_fit_trainer`; rank 0 writes the per-step losses, the validation loss and
-    ``extra(trainer)``'s items to ``args.out``; then leave (:func:`leave_without_static_destructors`)."""
+    ``extra(trainer)``'s items to ``args.out``; ``megatron`` goes to the strategy; then leave (:func:`leave_without_static_destructors`)."""
     import json
     from pathlib import Path
 
     from torch.utils.data import DataLoader
 
     losses = step_losses_callback()
-    trainer = short_fit_trainer(args, [losses], max_steps=max_steps)
+    trainer = short_fit_trainer(args, [losses], max_steps=max_steps, **megatron)
     trainer.fit(module, DataLoader(data, batch_size=8), DataLoader(data, batch_size=8))
     report = {"losses": losses.losses, "val_loss": float(trainer.callback_metrics["val_loss"])}
     report.update(extra(trainer) if extra is not None else {})

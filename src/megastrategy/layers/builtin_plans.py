@@ -57,11 +57,14 @@ from torch import nn
 
 from megastrategy.layers.encoder_plans import encoder_units
 from megastrategy.layers.hf_declared import declared_plan
+from megastrategy.layers.litgpt_plans import litgpt_units
 from megastrategy.layers.structural_plans import structural_units
+from megastrategy.layers.timm_plans import timm_units
 from megastrategy.layers.unit_types import (
     HEAD_ATTRS,
     BuiltinDetection,
     BuiltinUnit,
+    Refusal,
     SizeCheck,
     int_attr,
     is_conv1d,
@@ -89,6 +92,8 @@ KNOWN_ARCHITECTURES = (
     "Llama/Mistral/Qwen2/Qwen3/StableLM",
     "torch.nn.TransformerEncoderLayer/TransformerDecoderLayer",
     "torch.nn.MultiheadAttention",
+    "LitGPT (litgpt.model.GPT with n_query_groups == n_head)",
+    "timm Vision Transformer blocks (Attention, Mlp)",
 )
 
 _LLAMA_FAMILY = ("Llama", "Mistral", "Qwen2", "Qwen3", "StableLm")
@@ -206,7 +211,7 @@ def _torch(name: str, m: nn.Module) -> Iterable[BuiltinUnit]:
         yield BuiltinUnit(arch="torch", kind="mlp", owner=name, members=members)
 
 
-_DETECTORS = (encoder_units, _gpt2, _llama, _torch)
+_DETECTORS = (encoder_units, _gpt2, _llama, _torch, timm_units)
 
 
 def _inside(name: str, roots: dict[str, str]) -> bool:
@@ -225,6 +230,9 @@ def detect_builtin_plan(module: nn.Module) -> BuiltinDetection:
         for detector in _DETECTORS:
             units.extend(detector(name, m))
     refused = list(declared.refused)
+    for name, m in module.named_modules():
+        for found in litgpt_units(name, m):
+            (refused if isinstance(found, Refusal) else units).append(found)
     for name, m in _undeclared_hf_models(module, declared.roots):
         covered = {member for u in units for member, _, _ in u.members}
         found, refusals = structural_units(name, m, covered)

@@ -89,7 +89,7 @@ class Refusal:
     module: str
     style: str
     reason: str
-    #: ``"declared"`` (a Hugging Face style with no exact translation) or ``"structural"``
+    #: ``"declared"`` (a Hugging Face style with no exact translation), ``"structural"`` or ``"builtin"`` (a class rule: LitGPT)
     origin: str = "declared"
     #: what to do instead, when keeping the module whole (the usual advice) would not work
     advice: str = ""

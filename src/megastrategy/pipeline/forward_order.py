@@ -7,7 +7,9 @@ sharded, a parameter-free copy of the Hugging Face model on the meta device runs
 after the last block, or both, and which block each application of the stack called (ALBERT
 applies one shared block N times). Nothing real is computed and no random number is drawn.
 A vision or audio model, whose ``dummy_inputs`` lack its main input, gets a random one shaped
-from its config (:func:`megastrategy.layers.random_ids_forward.random_main_input`).
+from its config (:func:`megastrategy.layers.random_ids_forward.random_main_input`). A token-id
+model outside transformers (LitGPT's ``GPT``, which registers ``lm_head`` before its blocks) is
+run the same way on ids passed positionally, when its ``config`` names a vocabulary size.
 
 The run also records the plain (non-tensor) arguments each application of the stack gets: one
 that differs from the first application's (Swin's ``input_dimensions``, halved after each
@@ -79,7 +81,9 @@ def record_forward_order(module: nn.Module, stack_path: str) -> Optional[Forward
     cannot run on the meta device), in which case registration order is used."""
     hf_path, hf = find_hf_model(module)
     prefix = f"{hf_path}." if hf_path else ""
-    if hf is None or not stack_path.startswith(prefix) or not hasattr(hf, "dummy_inputs"):
+    if hf is None:
+        return _token_model_order(module, stack_path)
+    if not stack_path.startswith(prefix) or not hasattr(hf, "dummy_inputs"):
         return None
     try:
         twin = meta_copy(hf)
@@ -98,7 +102,38 @@ def record_forward_order(module: nn.Module, stack_path: str) -> Optional[Forward
     return _run(twin, inputs, prefix, stack_path[len(prefix):])
 
 
-def _run(twin: nn.Module, inputs: dict, prefix: str, stack_rel: str) -> Optional[ForwardOrder]:
+def _token_model(module: nn.Module, stack_path: str) -> tuple[str, Optional[nn.Module]]:
+    """The innermost module holding the stack whose ``config`` names a vocabulary size (LitGPT's
+    ``GPT``: ``padded_vocab_size``; nanoGPT: ``vocab_size``): a token-id model outside transformers,
+    whose forward takes the ids as its first argument. ``("", None)`` when there is none."""
+    parts = stack_path.split(".")
+    for depth in range(len(parts) - 1, -1, -1):
+        path = ".".join(parts[:depth])
+        holder = module.get_submodule(path)
+        config = getattr(holder, "config", None)
+        vocab = getattr(config, "padded_vocab_size", None) or getattr(config, "vocab_size", None)
+        if isinstance(vocab, int) and not isinstance(vocab, bool) and vocab > 0:
+            return path, holder
+    return "", None
+
+
+def _token_model_order(module: nn.Module, stack_path: str) -> Optional[ForwardOrder]:
+    """Dry-run a token-id model that is not a Hugging Face one (LitGPT registers ``lm_head``
+    before ``transformer``, so registration order would put the head on the first stage) on
+    random ids of shape ``[2, 8]``, positionally; ``None`` when there is none or it cannot run so."""
+    path, holder = _token_model(module, stack_path)
+    if holder is None:
+        return None
+    prefix = f"{path}." if path else ""
+    try:
+        twin = meta_copy(holder)
+    except Exception:  # noqa: BLE001 - an uncopyable model keeps registration order
+        return None
+    ids = torch.zeros(2, 8, dtype=torch.long, device="meta")
+    return _run(twin, {}, prefix, stack_path[len(prefix):], args=(ids,))
+
+
+def _run(twin: nn.Module, inputs: dict, prefix: str, stack_rel: str, args: tuple = ()) -> Optional[ForwardOrder]:
     stack = twin.get_submodule(stack_rel)
     block_index = {id(b): i for i, b in enumerate(stack)}
     events: list[tuple[str, int]] = []  # (module name, number of stack applications so far)
@@ -118,7 +153,7 @@ def _run(twin: nn.Module, inputs: dict, prefix: str, stack_rel: str) -> Optional
     plain_args = _watch_plain_arguments(stack, handles)
     try:
         with torch.no_grad(), torch.random.fork_rng(devices=[]):
-            twin(**inputs)
+            twin(*args, **inputs)
     except Exception:  # noqa: BLE001 - a forward that needs real data keeps registration order
         return None
     finally:

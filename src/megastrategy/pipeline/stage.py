@@ -78,6 +78,16 @@ class LocalLayers(nn.ModuleList):
         return values[idx]
 
 
+class LocalSequence(LocalLayers):
+    """:class:`LocalLayers` for a stack held in an ``nn.Sequential`` (timm's ``self.blocks(x)``):
+    calling it runs the view's blocks one after the other, as the Sequential did."""
+
+    def forward(self, hidden: Any) -> Any:
+        for block in self:
+            hidden = block(hidden)
+        return hidden
+
+
 class _LeadingView(nn.ModuleList):
     """A slice of a chunk's view (``self.layers[: config.num_hidden_layers]``), stand-ins included,
     without registering them (so it holds exactly the parameters of the blocks it contains)."""
@@ -458,9 +468,10 @@ def cut_stage(
     holds_last = any(stage.is_last_virtual(c) for c in range(vp_size))
 
     if stack_calls is None:
-        all_layers = LocalLayers({i: stack[i] for chunk in chunks for i in chunk})
+        local = LocalSequence if isinstance(stack, nn.Sequential) else LocalLayers
+        all_layers = local({i: stack[i] for chunk in chunks for i in chunk})
         leading = skipped_blocks(stack, max(chunk[0] for chunk in chunks), block_arity)
-        chunk_layers = [LocalLayers({i: stack[i] for i in chunk}, leading[: chunk[0]]) for chunk in chunks]
+        chunk_layers = [local({i: stack[i] for i in chunk}, leading[: chunk[0]]) for chunk in chunks]
         for chunk in chunks:
             stack[chunk[0]].register_forward_pre_hook(stage._pre_hook, with_kwargs=True)
             stack[chunk[-1]].register_forward_hook(stage._post_hook)

@@ -9,6 +9,7 @@ from torch import nn
 
 from megastrategy.errors import MegatronConfigError
 from megastrategy.layers.builtin_plans import is_conv1d
+from megastrategy.layers.plan.dotted_attrs import get_dotted, set_dotted_on_own_copy
 from megastrategy.layers.plan.layer_kinds import features, type_name
 from megastrategy.layers.plan.resolved import PlanEntry, ResolvedPlan
 from megastrategy.layers.plan.rng_hooks import RNGRegionHooks
@@ -46,8 +47,9 @@ def apply_tp_plan(module: nn.Module, plan: ResolvedPlan, *, group, rng_tracker) 
             setattr(parent, attr, new)
         for attr in e.extra.get("bias_aliases", ()):
             setattr(_parent_module(module, modules, e.name), attr, new.bias)
+    copied: set[int] = set()
     for f in plan.fixups:
-        setattr(modules[f.module] if f.module else module, f.attr, f.new)
+        set_dotted_on_own_copy(modules[f.module] if f.module else module, f.attr, f.new, copied)
     _hook_rng_regions(module, modules, builder.replaced, plan, rng_tracker)
 
 
@@ -116,9 +118,9 @@ def _check_ties_hold(module: nn.Module, modules: dict[str, nn.Module], plan: Res
 def _check_fixups_expected(module: nn.Module, modules: dict[str, nn.Module], plan: ResolvedPlan) -> None:
     for f in plan.fixups:
         owner = modules[f.module] if f.module else module
-        if getattr(owner, f.attr, None) != f.old:
+        if get_dotted(owner, f.attr) != f.old:
             raise MegatronConfigError(
-                f"plan fix-up {join_name(f.module, f.attr)}: expected {f.old!r}, found {getattr(owner, f.attr, None)!r}; "
+                f"plan fix-up {join_name(f.module, f.attr)}: expected {f.old!r}, found {get_dotted(owner, f.attr)!r}; "
                 "resolve the plan on this module right before applying it (was it applied twice?)."
             )
 

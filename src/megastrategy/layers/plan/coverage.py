@@ -107,6 +107,10 @@ def _check_refused(ctx: PlanContext, effective: dict[str, Effective]) -> None:
         if not _auto_style(effective, module):
             continue
         glob = globify(module)
+        if r.origin == "builtin":
+            raise MegatronConfigError(
+                f"tp={ctx.tp_size} with auto-detection: {r.module!r} is a {r.style}, and {r.reason}. {r.advice}"
+            )
         if r.advice:
             raise MegatronConfigError(
                 f"tp={ctx.tp_size} with auto-detection: Hugging Face declares tensor-parallel style {r.style!r} for "

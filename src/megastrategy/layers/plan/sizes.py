@@ -11,6 +11,7 @@ from megastrategy.divisors import divisors
 from megastrategy.errors import MegatronConfigError
 from megastrategy.layers.unit_types import HEAD_ATTRS, BuiltinUnit, SizeCheck
 from megastrategy.layers.plan.context import PlanContext
+from megastrategy.layers.plan.dotted_attrs import get_dotted
 from megastrategy.layers.plan.drafts import DraftEntry, Drafts
 from megastrategy.layers.plan.layer_kinds import features, is_linear
 from megastrategy.layers.plan.resolved import FixUp
@@ -51,7 +52,7 @@ class SizePass:
             self.checks.append((c, "tp"))
         owner_mod = self.ctx.submodule(unit.owner)
         for attr in unit.divide_attrs:
-            value = getattr(owner_mod, attr, None)
+            value = get_dotted(owner_mod, attr)
             if _is_int(value):
                 self._fix(unit.owner, attr, value, "local heads/size", f"{unit.arch} {unit.kind}: local heads")
 

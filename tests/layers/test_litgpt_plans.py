@@ -1,0 +1,44 @@
+"""LitGPT models under tensor parallelism (``layers/litgpt_plans.py``): the multi-head attention's
+fused ``[q|k|v]`` is split in 3 packed chunks with per-attention head counts, a grouped-query
+attention is refused naming the plan that works, and tp=2 trains like one device."""
+import pytest
+
+from megastrategy.errors import MegatronConfigError
+from megastrategy.layers.plan import resolve_tp_plan
+from tests.helpers.litgpt_runs import assert_litgpt_matches_ddp, tiny_litgpt
+
+
+def test_multi_head_attention_is_packed_qkv_with_local_head_counts_in_the_config():
+    plan = resolve_tp_plan(tiny_litgpt(groups=4), None, 2)
+    got = {e.name: (e.style, e.extra.get("packed_chunks", 1)) for e in plan.entries if e.style != "replicate"}
+    block = "transformer.h.0"
+    assert got[f"{block}.attn.qkv"] == ("column", 3) and got[f"{block}.attn.proj"] == ("row", 1)
+    assert got[f"{block}.mlp.fc_1"] == got[f"{block}.mlp.fc_2"] == ("column", 1) and got[f"{block}.mlp.proj"][0] == "row"
+    assert got["transformer.wte"][0] == got["lm_head"][0] == "vocab"
+    fixups = {(f.module, f.attr): (f.old, f.new) for f in plan.fixups}
+    assert fixups[(f"{block}.attn", "config.n_head")] == (4, 2)
+    assert fixups[(f"{block}.attn", "config.n_query_groups")] == (4, 2)
+
+
+def test_grouped_query_attention_is_refused_naming_the_replicate_plan():
+    with pytest.raises(MegatronConfigError) as e:
+        resolve_tp_plan(tiny_litgpt(groups=2), None, 2)
+    message = str(e.value)
+    assert "'transformer.h.0.attn'" in message and "2 key and 2 value heads" in message
+    assert "'transformer.h.*.attn': 'replicate'" in message
+    plan = resolve_tp_plan(tiny_litgpt(groups=2), {"*": "auto", "transformer.h.*.attn": "replicate"}, 2)
+    sharded = {e.name for e in plan.entries if e.style != "replicate"}
+    assert "transformer.h.0.mlp.fc_1" in sharded and "transformer.h.0.attn.qkv" not in sharded
+
+
+@pytest.mark.timeout(500)
+def test_litgpt_trains_like_one_device_tp2():
+    assert_litgpt_matches_ddp("--tp", "2")
+
+
+def test_pythia_style_blocks_shard_their_gelu_mlp_and_biased_qkv():
+    plan = resolve_tp_plan(tiny_litgpt(groups=4, variant="neox"), None, 2)
+    got = {e.name: (e.style, e.extra.get("packed_chunks", 1)) for e in plan.entries if e.style != "replicate"}
+    block = "transformer.h.3"
+    assert got[f"{block}.attn.qkv"] == ("column", 3) and got[f"{block}.mlp.fc"] == ("column", 1)
+    assert got[f"{block}.mlp.proj"] == ("row", 1)

@@ -1,10 +1,13 @@
 """LitGPT models under tensor parallelism (``layers/litgpt_plans.py``): the multi-head attention's
-fused ``[q|k|v]`` is split in 3 packed chunks with per-attention head counts, a grouped-query
-attention is refused naming the plan that works, and tp=2 trains like one device."""
+fused ``[q|k|v]`` is split in 3 packed chunks with per-attention head counts, a grouped-query one in
+3 packed sections of unequal sizes, an attention whose key/value groups ``tp`` does not divide is
+refused naming the plan that works, and tp=2 trains like one device with either."""
 import pytest
+import torch
 
 from megastrategy.errors import MegatronConfigError
 from megastrategy.layers.plan import resolve_tp_plan
+from megastrategy.layers.shard_spec import ShardSpec, merge_shards, shard_full_tensor
 from tests.helpers.litgpt_runs import assert_litgpt_matches_ddp, tiny_litgpt
 
 
@@ -20,20 +23,35 @@ def test_multi_head_attention_is_packed_qkv_with_local_head_counts_in_the_config
     assert fixups[(f"{block}.attn", "config.n_query_groups")] == (4, 2)
 
 
-def test_grouped_query_attention_is_refused_naming_the_replicate_plan():
+def test_grouped_query_attention_is_split_in_unequal_sections_each_rank_its_own_groups():
+    model = tiny_litgpt(groups=2)
+    plan = resolve_tp_plan(model, None, 2)
+    qkv = next(e for e in plan.entries if e.name == "transformer.h.0.attn.qkv")
+    assert qkv.style == "column" and qkv.extra["packed_sections"] == (32, 16, 16)  # 4 q, 2 k, 2 v heads of 8
+    fixups = {(f.module, f.attr): (f.old, f.new) for f in plan.fixups}
+    assert fixups[("transformer.h.0.attn", "config.n_head")] == (4, 2)
+    assert fixups[("transformer.h.0.attn", "config.n_query_groups")] == (2, 1)
+    # rank r holds query heads 2r, 2r+1 and key/value head r: the group those query heads read
+    spec = ShardSpec(0, 64, 64, packed_chunks=3, packed_sections=(32, 16, 16))
+    rows = torch.arange(64)
+    assert shard_full_tensor(rows, spec, 1, 2).tolist() == [*range(16, 32), *range(40, 48), *range(56, 64)]
+    assert torch.equal(merge_shards([shard_full_tensor(rows, spec, r, 2) for r in range(2)], spec), rows)
+
+
+def test_key_value_groups_tp_does_not_divide_are_refused_naming_the_replicate_plan():
     with pytest.raises(MegatronConfigError) as e:
-        resolve_tp_plan(tiny_litgpt(groups=2), None, 2)
+        resolve_tp_plan(tiny_litgpt(groups=1), None, 2)
     message = str(e.value)
-    assert "'transformer.h.0.attn'" in message and "2 key and 2 value heads" in message
+    assert "config.n_query_groups=1 of transformer.h.0.attn" in message and "use tp in {1}" in message
     assert "'transformer.h.*.attn': 'replicate'" in message
-    plan = resolve_tp_plan(tiny_litgpt(groups=2), {"*": "auto", "transformer.h.*.attn": "replicate"}, 2)
+    plan = resolve_tp_plan(tiny_litgpt(groups=1), {"*": "auto", "transformer.h.*.attn": "replicate"}, 2)
     sharded = {e.name for e in plan.entries if e.style != "replicate"}
     assert "transformer.h.0.mlp.fc_1" in sharded and "transformer.h.0.attn.qkv" not in sharded
 
 
 @pytest.mark.timeout(500)
-def test_litgpt_trains_like_one_device_tp2():
-    assert_litgpt_matches_ddp("--tp", "2")
+def test_litgpt_multi_head_and_grouped_query_train_like_one_device_tp2():
+    assert_litgpt_matches_ddp("--tp", "2", groups="4,2")
 
 
 def test_pythia_style_blocks_shard_their_gelu_mlp_and_biased_qkv():

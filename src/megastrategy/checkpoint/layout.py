@@ -98,19 +98,20 @@ class TensorLayout:
             return [((0,) * view.dim(), view)]
         spec, world = self.spec, self.tp_size
         d = self._split_dim(local.dim())
-        per_rank = spec.chunk_padded_size // world  # local entries of each packed chunk
-        start = self.tp_rank * per_rank  # first entry this rank owns within each chunk
-        real = max(0, min(per_rank, spec.chunk_full_size - start))  # the rest is padding
         out: list[Chunk] = []
-        if real == 0:
-            return out
-        for c in range(spec.packed_chunks):
-            view = local.narrow(d, c * per_rank, real)
-            offsets = [0] * local.dim()
-            offsets[d] = c * spec.chunk_full_size + start
-            if self.transposed:
-                view, offsets = view.t(), offsets[::-1]
-            out.append((tuple(offsets), view))
+        at = 0  # where this section's local entries begin in ``local``
+        for start, size, padded in spec.sections():  # equal chunks, or unequal packed sections
+            per_rank = padded // world  # local entries of this section
+            first = self.tp_rank * per_rank  # first entry this rank owns within the section
+            real = max(0, min(per_rank, size - first))  # the rest is padding
+            if real:
+                view = local.narrow(d, at, real)
+                offsets = [0] * local.dim()
+                offsets[d] = start + first
+                if self.transposed:
+                    view, offsets = view.t(), offsets[::-1]
+                out.append((tuple(offsets), view))
+            at += per_rank
         return out
 
     def shard_full(self, full: Tensor) -> Tensor:

@@ -66,6 +66,26 @@ def _check_divisible(arg: str, value: int, world: int, what: str) -> None:
         )
 
 
+def _check_packing(out_features: int, chunks: int, sections: tuple[int, ...], tp: int) -> int:
+    """The number of packed projections, after checking that each one splits evenly over ``tp``:
+    ``chunks`` equal ones, or the explicit (possibly unequal) ``sections``."""
+    if sections:
+        if sum(sections) != out_features or min(sections) < 1:
+            raise MegatronConfigError(
+                f"packed_sections={sections}: must be positive and sum to out_features={out_features}."
+            )
+        for i, size in enumerate(sections):
+            _check_divisible(f"packed_sections[{i}]", size, tp, "each packed section of a column-parallel layer")
+        return len(sections)
+    if chunks < 1 or out_features % chunks:
+        raise MegatronConfigError(f"packed_chunks={chunks}: must be >= 1 and divide out_features={out_features}.")
+    _check_divisible(
+        "out_features" if chunks == 1 else f"out_features/packed_chunks ({chunks})",
+        out_features // chunks, tp, "the output size of a column-parallel layer",
+    )
+    return chunks
+
+
 def _requires_grad(t: Tensor | None) -> bool:
     return True if t is None else bool(t.requires_grad)
 
@@ -80,7 +100,9 @@ class ColumnParallelLinear(nn.Module):
     ``(output, bias)`` and leaves the addition to the caller (bias is None without one).
 
     ``packed_chunks=c`` treats the output dim as ``c`` concatenated projections (fused
-    QKV) and shards each separately: rank r holds ``[q_r | k_r | v_r]``.
+    QKV) and shards each separately: rank r holds ``[q_r | k_r | v_r]``. ``packed_sections``
+    gives the projections' sizes when they differ (grouped-query ``[q | k | v]``); each section
+    must be divisible by the tensor-parallel size.
 
     ``sequence_parallel=True``: the input is split along ``sequence_dim`` over the group
     (sequence parallelism) and is all-gathered along it before the matmul (backward:
@@ -103,6 +125,7 @@ class ColumnParallelLinear(nn.Module):
         gather_output: bool = False,
         skip_bias_add: bool = False,
         packed_chunks: int = 1,
+        packed_sections: tuple[int, ...] = (),
         input_copy: SharedInputCopy | None = None,
         sequence_parallel: bool = False,
         sequence_dim: int = 0,
@@ -113,22 +136,16 @@ class ColumnParallelLinear(nn.Module):
         full_w, full_b = init_linear_full(out_features, in_features, bias, device=device, dtype=dtype)
         self._setup(full_w, full_b, group=group, gather_output=gather_output,
                     skip_bias_add=skip_bias_add, packed_chunks=packed_chunks,
-                    input_copy=input_copy, w_grad=True, b_grad=True)
+                    packed_sections=packed_sections, input_copy=input_copy, w_grad=True, b_grad=True)
         self.sequence_parallel, self.sequence_dim = bool(sequence_parallel), int(sequence_dim)
 
     # -- construction ----------------------------------------------------------------
     def _setup(self, full_w, full_b, *, group, gather_output, skip_bias_add, packed_chunks,
-               input_copy, w_grad, b_grad) -> None:
+               packed_sections, input_copy, w_grad, b_grad) -> None:
         out_features, in_features = full_w.shape
         tp = group_world_size(group)
-        if packed_chunks < 1 or out_features % packed_chunks:
-            raise MegatronConfigError(
-                f"packed_chunks={packed_chunks}: must be >= 1 and divide out_features={out_features}."
-            )
-        _check_divisible(
-            "out_features" if packed_chunks == 1 else f"out_features/packed_chunks ({packed_chunks})",
-            out_features // packed_chunks, tp, "the output size of a column-parallel layer",
-        )
+        packed_sections = tuple(int(x) for x in packed_sections)
+        packed_chunks = _check_packing(out_features, packed_chunks, packed_sections, tp)
         self.in_features = in_features
         self.out_features = out_features
         self._group_ref = ProcessGroupRef(group)
@@ -137,12 +154,13 @@ class ColumnParallelLinear(nn.Module):
         self.gather_output = gather_output
         self.skip_bias_add = skip_bias_add
         self.packed_chunks = packed_chunks
+        self.packed_sections = packed_sections
         self.input_copy = input_copy
         self.sequence_parallel = False
         self.sequence_dim = 0
         self.output_size_per_partition = out_features // tp
         spec = ShardSpec(dim=0, full_size=out_features, padded_size=out_features,
-                         packed_chunks=packed_chunks)
+                         packed_chunks=packed_chunks, packed_sections=packed_sections)
         self.weight = _param_from(shard_full_tensor(full_w, spec, self.tp_rank, tp), w_grad)
         set_shard_spec(self.weight, spec)
         if full_b is not None:
@@ -161,6 +179,7 @@ class ColumnParallelLinear(nn.Module):
         gather_output: bool = False,
         skip_bias_add: bool = False,
         packed_chunks: int = 1,
+        packed_sections: tuple[int, ...] = (),
         input_copy: SharedInputCopy | None = None,
     ) -> "ColumnParallelLinear":
         """Shard a full ``weight`` [out, in] (and ``bias`` [out]); copies this rank's slice,
@@ -173,7 +192,7 @@ class ColumnParallelLinear(nn.Module):
         nn.Module.__init__(self)
         self._setup(weight, bias, group=group, gather_output=gather_output,
                     skip_bias_add=skip_bias_add, packed_chunks=packed_chunks,
-                    input_copy=input_copy, w_grad=_requires_grad(weight),
+                    packed_sections=packed_sections, input_copy=input_copy, w_grad=_requires_grad(weight),
                     b_grad=_requires_grad(bias))
         return self
 
@@ -186,20 +205,23 @@ class ColumnParallelLinear(nn.Module):
         gather_output: bool = False,
         skip_bias_add: bool = False,
         packed_chunks: int = 1,
+        packed_sections: tuple[int, ...] = (),
         input_copy: SharedInputCopy | None = None,
     ) -> "ColumnParallelLinear":
         """Shard ``linear`` (copies this rank's slice; never re-initializes)."""
         return cls.from_weight(linear.weight, linear.bias, group=group, gather_output=gather_output,
                                skip_bias_add=skip_bias_add, packed_chunks=packed_chunks,
-                               input_copy=input_copy)
+                               packed_sections=packed_sections, input_copy=input_copy)
 
     # -- forward -----------------------------------------------------------------------
     def _gather(self, t: Tensor) -> Tensor:
         t = gather_from_tensor_parallel_region(t, self.group)
         if self.packed_chunks > 1 and self.tp_size > 1:
             # [r0: c0 c1 c2 | r1: c0 c1 c2 ...] -> [c0: r0 r1 .. | c1: ... ]
-            k = self.output_size_per_partition // self.packed_chunks
-            t = t.unflatten(-1, (self.tp_size, self.packed_chunks, k)).transpose(-3, -2).flatten(-3)
+            local = self.weight.megastrategy_shard.sections()
+            sizes = [padded // self.tp_size for _, _, padded in local]
+            per_rank = t.unflatten(-1, (self.tp_size, self.output_size_per_partition)).split(sizes, dim=-1)
+            t = torch.cat([c.flatten(-2) for c in per_rank], dim=-1)
         return t
 
     def forward(self, x: Tensor):
@@ -224,7 +246,9 @@ class ColumnParallelLinear(nn.Module):
         s = (f"in_features={self.in_features}, out_features={self.out_features} "
              f"(local {self.output_size_per_partition}), bias={self.bias is not None}, "
              f"tp={self.tp_size}, rank={self.tp_rank}")
-        if self.packed_chunks > 1:
+        if self.packed_sections:
+            s += f", packed_sections={self.packed_sections}"
+        elif self.packed_chunks > 1:
             s += f", packed_chunks={self.packed_chunks}"
         if self.sequence_parallel:
             s += f", sequence_parallel=True (dim {self.sequence_dim})"

@@ -4,10 +4,14 @@ models, so neither a declared plan nor structural detection reaches them.
 LitGPT's ``CausalSelfAttention`` holds one fused ``qkv`` projection laid out ``[q | k | v]``
 (``n_head`` query heads, then ``n_query_groups`` key and value heads) and reads its head counts
 from ``self.config``, the one ``Config`` object the whole model shares. With as many groups as
-heads the three sections are equal, so ``qkv`` is column-parallel in 3 packed chunks and the
-attention gets its own config copy with the local head counts (``config.n_head`` as a dotted
-fix-up, :mod:`megastrategy.layers.plan.dotted_attrs`). With fewer groups (GQA, MQA) the sections
-differ in size, which the shard layout cannot express: refused, naming what works.
+heads the three sections are equal, so ``qkv`` is column-parallel in 3 packed chunks; with fewer
+groups (GQA, MQA) it is column-parallel in 3 packed sections of unequal sizes
+(``packed_sections``: rank r takes its ``n_head/tp`` query heads and its ``n_query_groups/tp``
+key and value heads, which are exactly the groups its query heads read). Either way the attention
+gets its own config copy with the local head counts (``config.n_head`` and
+``config.n_query_groups`` as dotted fix-ups, :mod:`megastrategy.layers.plan.dotted_attrs`).
+When ``tp`` does not divide ``n_query_groups`` (e.g. MQA) a rank's query heads would need key
+heads of another rank: the size check refuses, naming the plan that replicates the attention.
 """
 from __future__ import annotations
 
@@ -35,20 +39,29 @@ def _attention(name: str, m: nn.Module) -> Iterable[Union[BuiltinUnit, Refusal]]
         return
     if not (isinstance(heads, int) and isinstance(groups, int)):
         return
-    if groups != heads or getattr(config, "norm_qk", False):
-        why = (f"its fused qkv holds {heads} query heads then {groups} key and {groups} value heads: sections of "
-               "unequal sizes, which this strategy cannot shard exactly" if groups != heads
-               else "it normalizes q and k (norm_qk=True), which this strategy does not shard")
-        yield Refusal(name, "litgpt attention", why, origin="builtin", advice=(
-            f"Keep the attention whole with tp_plan={{'*': 'auto', {name.rsplit('.', 2)[0] + '.*.attn'!r}: "
-            "'replicate'} (the MLPs and embeddings stay sharded), use n_query_groups=n_head, or use tp=1."))
+    if getattr(config, "norm_qk", False):
+        why = "it normalizes q and k (norm_qk=True), which this strategy does not shard"
+        advice = f"Keep the attention whole with {_replicate_plan(name)}, or use tp=1."
+        yield Refusal(name, "litgpt attention", why, origin="builtin", advice=advice)
         return
+    size, rest = divmod(m.qkv.out_features, heads + 2 * groups)
+    if rest:  # not the [q|k|v] layout this plan knows
+        return
+    sections = {"packed_chunks": 3} if groups == heads else {"packed_sections": (heads * size, groups * size, groups * size)}
     yield BuiltinUnit(
         arch="litgpt", kind="attention", owner=name,
-        members=[(join_name(name, "qkv"), "column", {"packed_chunks": 3}), (join_name(name, "proj"), "row", {})],
+        members=[(join_name(name, "qkv"), "column", sections), (join_name(name, "proj"), "row", {})],
         divide_attrs=("config.n_head", "config.n_query_groups"),
-        checks=[SizeCheck(name, "config.n_head", heads, "attention heads")],
+        checks=[SizeCheck(name, "config.n_head", heads, "attention heads"),
+                SizeCheck(name, "config.n_query_groups", groups, "key/value head groups", advice=(
+                    "Each rank's query heads must find their key/value heads on that rank; otherwise keep the "
+                    f"attention whole with {_replicate_plan(name)} (the MLPs and embeddings stay sharded)."))],
     )
+
+
+def _replicate_plan(name: str) -> str:
+    """The ``tp_plan`` that keeps every attention like ``name`` whole."""
+    return f"tp_plan={{'*': 'auto', {name.rsplit('.', 2)[0] + '.*.attn'!r}: 'replicate'}}"
 
 
 def litgpt_units(name: str, m: nn.Module) -> Iterable[Union[BuiltinUnit, Refusal]]:

@@ -13,6 +13,11 @@ Layout rules
 * With ``packed_chunks = c > 1`` the dimension is a concatenation ``[c0 | c1 | ...]`` of
   ``c`` equal chunks (e.g. a fused QKV projection). Each chunk is padded and split on
   its own and rank ``r`` holds ``[c0_r | c1_r | ...]``.
+* With ``packed_sections = (s0, s1, ...)`` the packed sections have explicit, possibly unequal
+  sizes (a grouped-query attention's ``[q | k | v]``: ``n_head`` query heads, then fewer key
+  and value heads). Each section is split on its own, like an equal chunk, but is never padded:
+  every section must be divisible by the tensor-parallel size. :meth:`ShardSpec.sections` is the
+  one description of both cases that the functions here and the checkpoint layout read.
 """
 from __future__ import annotations
 
@@ -42,8 +47,11 @@ class ShardSpec:
     full_size: int  # size of that dim in the user's tensor (e.g. real vocab 30522)
     padded_size: int  # after padding to a multiple of tp (== full_size without padding)
     packed_chunks: int = 1  # packed projections (QKV): dim is [c0|c1|c2]; each chunk split separately
+    packed_sections: tuple[int, ...] = ()  # unequal packed projections (GQA qkv): their full sizes
 
     def __post_init__(self) -> None:
+        if self.packed_sections:
+            self._check_sections()
         if self.packed_chunks < 1:
             raise MegatronConfigError(
                 f"ShardSpec.packed_chunks={self.packed_chunks}: must be >= 1 (1 = not packed)."
@@ -53,14 +61,33 @@ class ShardSpec:
                 f"ShardSpec(full_size={self.full_size}, padded_size={self.padded_size}): "
                 "padded_size must be >= full_size >= 0."
             )
-        if self.full_size % self.packed_chunks or self.padded_size % self.packed_chunks:
+        if not self.packed_sections and (self.full_size % self.packed_chunks or self.padded_size % self.packed_chunks):
             raise MegatronConfigError(
                 f"ShardSpec(full_size={self.full_size}, padded_size={self.padded_size}, "
                 f"packed_chunks={self.packed_chunks}): both sizes must be divisible by "
                 "packed_chunks so that every packed chunk has the same size."
             )
 
+    def _check_sections(self) -> None:
+        sections = self.packed_sections
+        if (self.packed_chunks != len(sections) or any(int(x) < 1 for x in sections)
+                or sum(sections) != self.full_size or self.padded_size != self.full_size):
+            raise MegatronConfigError(
+                f"ShardSpec(full_size={self.full_size}, padded_size={self.padded_size}, packed_chunks="
+                f"{self.packed_chunks}, packed_sections={sections}): packed sections must be positive, "
+                "one per packed chunk, sum to full_size, and are not padded (padded_size == full_size)."
+            )
+
     # -- derived sizes -------------------------------------------------------------
+    def sections(self) -> list[tuple[int, int, int]]:
+        """``(start, full size, padded size)`` in the full tensor of each packed section
+        (equal chunks, or the explicit ``packed_sections``, which are never padded)."""
+        if self.packed_sections:
+            starts = [sum(self.packed_sections[:i]) for i in range(len(self.packed_sections))]
+            return [(a, n, n) for a, n in zip(starts, self.packed_sections)]
+        return [(c * self.chunk_full_size, self.chunk_full_size, self.chunk_padded_size)
+                for c in range(self.packed_chunks)]
+
     @property
     def chunk_full_size(self) -> int:
         return self.full_size // self.packed_chunks
@@ -75,10 +102,11 @@ class ShardSpec:
         return self.padded_size // world
 
     def _check_world(self, world: int) -> None:
-        if world < 1 or self.chunk_padded_size % world:
+        bad = [padded for _, _, padded in self.sections() if world < 1 or padded % world]
+        if bad:
             raise MegatronConfigError(
                 f"tensor-parallel size {world} does not divide the padded size "
-                f"{self.chunk_padded_size} of each of the {self.packed_chunks} packed chunk(s) "
+                f"{bad[0]} of each of the {self.packed_chunks} packed chunk(s) "
                 f"(ShardSpec dim={self.dim}, full_size={self.full_size}, "
                 f"padded_size={self.padded_size}); pad the dimension to a multiple of {world} "
                 "or pick a tensor-parallel size that divides it."
@@ -128,16 +156,15 @@ def shard_full_tensor(full: Tensor, spec: ShardSpec, rank: int, world: int) -> T
             f"tensor has size {full.size(dim)} on dim {dim}, but its ShardSpec says "
             f"full_size={spec.full_size}"
         )
-    local_chunk = spec.chunk_padded_size // world
-    pad = spec.chunk_padded_size - spec.chunk_full_size
     pieces = []
-    for c in range(spec.packed_chunks):
-        chunk = full.narrow(dim, c * spec.chunk_full_size, spec.chunk_full_size)
-        if pad:
+    for start, size, padded in spec.sections():
+        chunk = full.narrow(dim, start, size)
+        if padded > size:
             shape = list(chunk.shape)
-            shape[dim] = pad
+            shape[dim] = padded - size
             chunk = torch.cat([chunk, chunk.new_zeros(shape)], dim=dim)
-        pieces.append(chunk.narrow(dim, rank * local_chunk, local_chunk))
+        local = padded // world
+        pieces.append(chunk.narrow(dim, rank * local, local))
     return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=dim)
 
 
@@ -148,15 +175,17 @@ def merge_shards(shards: list[Tensor], spec: ShardSpec) -> Tensor:
     world = len(shards)
     spec._check_world(world)
     dim = _norm_dim(spec.dim, shards[0].dim())
-    local_chunk = spec.chunk_padded_size // world
+    expected = spec.padded_size // world
     for i, s in enumerate(shards):
-        if s.size(dim) != local_chunk * spec.packed_chunks:
+        if s.size(dim) != expected:
             raise ValueError(
                 f"shard {i} has size {s.size(dim)} on dim {dim}; expected "
-                f"{local_chunk * spec.packed_chunks} for {world} shards of {spec}"
+                f"{expected} for {world} shards of {spec}"
             )
-    chunks = []
-    for c in range(spec.packed_chunks):
-        padded = torch.cat([s.narrow(dim, c * local_chunk, local_chunk) for s in shards], dim=dim)
-        chunks.append(padded.narrow(dim, 0, spec.chunk_full_size))
+    chunks, at = [], 0
+    for _, size, padded in spec.sections():
+        local = padded // world
+        whole = torch.cat([s.narrow(dim, at, local) for s in shards], dim=dim)
+        chunks.append(whole.narrow(dim, 0, size))
+        at += local
     return chunks[0] if len(chunks) == 1 else torch.cat(chunks, dim=dim)

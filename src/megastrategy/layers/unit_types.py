@@ -41,12 +41,14 @@ HEAD_ATTRS = (
 
 @dataclass(frozen=True)
 class SizeCheck:
-    """``value`` (read from ``owner``'s ``attr``) must be divisible by ``tp``."""
+    """``value`` (read from ``owner``'s ``attr``) must be divisible by ``tp``; ``advice``, when
+    given, is the fix the error names besides another ``tp`` (e.g. the plan that replicates)."""
 
     owner: str
     attr: str
     value: int
     what: str
+    advice: str = ""
 
 
 @dataclass

@@ -189,6 +189,7 @@ class _ShardedLayerBuilder:
         kw = dict(
             group=self.group,
             packed_chunks=chunks,
+            packed_sections=tuple(e.extra.get("packed_sections", ())),
             input_copy=self._input_copy(e),
             gather_output=bool(e.extra.get("gather_output", False)),
         )

@@ -30,6 +30,8 @@ class DraftEntry:
     #: the recognized block this layer belongs to, if sharded the built-in way
     unit: BuiltinUnit | None = None
     packed_chunks: int | None = None
+    #: unequal packed projections (grouped-query ``[q|k|v]``): their output sizes
+    packed_sections: tuple[int, ...] | None = None
     #: a column layer whose output is all-gathered (Hugging Face ``colwise_gather_output``)
     gather_output: bool | None = None
     #: a row layer that slices its replicated input itself (``rowwise_split_input``)
@@ -51,6 +53,7 @@ class DraftEntry:
             source,
             unit,
             packed_chunks=extra.get("packed_chunks"),
+            packed_sections=extra.get("packed_sections"),
             gather_output=extra.get("gather_output"),
             split_input=extra.get("split_input"),
             heads=extra.get("heads"),
@@ -59,7 +62,9 @@ class DraftEntry:
 
     @property
     def chunks(self) -> int:
-        """Equal chunks packed side by side in the output (1 for a plain layer)."""
+        """Projections packed side by side in the output (1 for a plain layer)."""
+        if self.packed_sections:
+            return len(self.packed_sections)
         return 1 if self.packed_chunks is None else int(self.packed_chunks)
 
     def extra(self) -> dict[str, Any]:
@@ -67,6 +72,7 @@ class DraftEntry:
         unit = f"{self.unit.arch}.{self.unit.kind}" if self.unit is not None else None
         pairs = (
             ("packed_chunks", self.packed_chunks),
+            ("packed_sections", self.packed_sections),
             ("gather_output", self.gather_output),
             ("split_input", self.split_input),
             ("weight_layout", self.weight_layout),

@@ -20,7 +20,8 @@ class PlanEntry:
     activations, replaced by ``TensorParallelRegionDropout``).
 
     ``extra`` (a dict; treat it as read-only), keys present when relevant:
-    ``packed_chunks`` (int > 1), ``weight_layout`` (``"in_out"`` for HF ``Conv1D``),
+    ``packed_chunks`` (int > 1), ``packed_sections`` (the output sizes of unequal packed
+    projections, e.g. a grouped-query ``[q|k|v]``), ``weight_layout`` (``"in_out"`` for HF ``Conv1D``),
     ``input_copy`` (name of the parent whose column layers share one ``SharedInputCopy``),
     ``vocab_layer`` (``"embedding"`` or ``"head"``), ``tied_to`` (a vocab head's embedding),
     ``bias_aliases`` (attribute names on the head's parent that alias the head's bias and are

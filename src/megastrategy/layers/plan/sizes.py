@@ -72,6 +72,9 @@ class SizePass:
         if d.style != "column":
             self.checks.append((SizeCheck(n, "in_features", fin, "input features"), "tp"))
             return
+        if d.packed_sections:
+            self._sections(n, fout, tuple(d.packed_sections))
+            return
         if fout % chunks:
             raise MegatronConfigError(
                 f"{n}: out_features={fout} is not a multiple of packed_chunks={chunks} (a packed "
@@ -79,6 +82,16 @@ class SizePass:
             )
         what = "out_features" if chunks == 1 else f"out_features/{chunks} (one packed chunk)"
         self.checks.append((SizeCheck(n, what, fout // chunks, "output features"), "tp"))
+
+    def _sections(self, n: str, fout: int, sections: tuple[int, ...]) -> None:
+        """Unequal packed projections: each section is split evenly over ``tp`` on its own."""
+        if sum(sections) != fout:
+            raise MegatronConfigError(
+                f"{n}: out_features={fout} is not the sum of packed_sections={sections} (a packed "
+                "projection holds its sections side by side)."
+            )
+        for i, size in enumerate(sections):
+            self.checks.append((SizeCheck(n, f"out_features section {i} of {sections}", size, "output features"), "tp"))
 
     def _head_attrs(self, n: str) -> None:
         """A user-planned column layer: its parent's head-count attributes are divided."""
@@ -113,4 +126,5 @@ def _check_divisibility(checks: list[tuple[SizeCheck, str]], tp_size: int) -> No
             raise MegatronConfigError(
                 f"{arg}={tp_size} does not divide {c.attr}={c.value} of {owner} ({c.what} are split evenly "
                 f"across the tensor-parallel ranks); use {arg} in {{{', '.join(str(v) for v in valid)}}}."
+                + (f" {c.advice}" if c.advice else "")
             )

@@ -103,6 +103,12 @@ class ShardSpec:
 
     def _check_world(self, world: int) -> None:
         bad = [padded for _, _, padded in self.sections() if world < 1 or padded % world]
+        if bad and self.packed_sections:
+            raise MegatronConfigError(
+                f"tensor-parallel size {world} does not divide the size {bad[0]} of a packed section "
+                f"(ShardSpec dim={self.dim}, packed_sections={self.packed_sections}); sections are not "
+                "padded: pick a tensor-parallel size that divides every section."
+            )
         if bad:
             raise MegatronConfigError(
                 f"tensor-parallel size {world} does not divide the padded size "

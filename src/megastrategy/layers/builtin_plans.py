@@ -92,7 +92,7 @@ KNOWN_ARCHITECTURES = (
     "Llama/Mistral/Qwen2/Qwen3/StableLM",
     "torch.nn.TransformerEncoderLayer/TransformerDecoderLayer",
     "torch.nn.MultiheadAttention",
-    "LitGPT (litgpt.model.GPT with n_query_groups == n_head)",
+    "LitGPT (litgpt.model.GPT; tp must divide n_query_groups)",
     "timm Vision Transformer blocks (Attention, Mlp)",
 )
 

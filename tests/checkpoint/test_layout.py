@@ -32,5 +32,5 @@ def test_the_chunks_of_every_rank_rebuild_the_one_device_tensor(spec, transposed
 
 def test_sections_tp_does_not_divide_are_refused_with_the_rule():
     spec = ShardSpec(0, 48, 48, packed_chunks=3, packed_sections=(32, 8, 8))
-    with pytest.raises(MegatronConfigError, match="tensor-parallel size 16 does not divide the size 8 of a packed section"):
+    with pytest.raises(MegatronConfigError, match="size 16 does not divide the size 8 of a packed section"):
         TensorLayout("w", spec, tp_rank=0, tp_size=16).shard_full(torch.zeros(48, 2))

@@ -129,6 +129,29 @@ def _check_packed(tp, group):
     _close(col(x0), ys, "from_weight packed")
 
 
+def _check_packed_sections(tp, group):
+    """Grouped-query [q|k|v]: sections of 16, 8 and 8 rows, each split over tp on its own."""
+    r = dist.get_rank(group)
+    sections = (16, 8, 8)
+    lin = _serial(11, in_f=8, out_f=sum(sections))
+    x0 = _inputs(12, (2, 3, 8))
+    xs = x0.clone().requires_grad_(True)
+    ys = lin(xs)
+    ys.sum().backward()
+    expect_w = torch.cat([s[r * (len(s) // tp):(r + 1) * (len(s) // tp)] for s in lin.weight.detach().split(sections)])
+    col = ColumnParallelLinear.from_linear(lin, group=group, packed_sections=sections, gather_output=True)
+    _close(col.weight, expect_w, "sectioned weight is [q_r|k_r|v_r]")
+    assert get_shard_spec(col.weight).packed_sections == sections and col.packed_chunks == 3
+    x = x0.clone().requires_grad_(True)
+    y = col(x)
+    _close(y, ys, "sectioned gathered output")
+    y.sum().backward()
+    _close(x.grad, xs.grad, "sectioned input grad")
+    _close(col.weight.grad, shard_full_tensor(lin.weight.grad, get_shard_spec(col.weight), r, tp), "sectioned grad")
+    with pytest.raises(MegatronConfigError, match=r"packed_sections\[1\]"):
+        ColumnParallelLinear(IN, 6 * tp + 2, group=group, packed_sections=(4 * tp, tp + 1, tp + 1))
+
+
 def _check_row(tp, group):
     r = dist.get_rank(group)
     lin = _serial(8)
@@ -251,6 +274,7 @@ def _all_checks(rank, world):
     for tp, group in _tp_groups():
         _check_column(tp, group)
         _check_packed(tp, group)
+        _check_packed_sections(tp, group)
         _check_row(tp, group)
         _check_mlp_and_shared_copy(tp, group)
         _check_init_dtype_misc(tp, group)

@@ -47,7 +47,8 @@ def _attention(name: str, m: nn.Module) -> Iterable[Union[BuiltinUnit, Refusal]]
     size, rest = divmod(m.qkv.out_features, heads + 2 * groups)
     if rest:  # not the [q|k|v] layout this plan knows
         return
-    sections = {"packed_chunks": 3} if groups == heads else {"packed_sections": (heads * size, groups * size, groups * size)}
+    sizes = (heads * size, groups * size, groups * size)
+    sections = {"packed_chunks": 3} if groups == heads else {"packed_sections": sizes}
     yield BuiltinUnit(
         arch="litgpt", kind="attention", owner=name,
         members=[(join_name(name, "qkv"), "column", sections), (join_name(name, "proj"), "row", {})],

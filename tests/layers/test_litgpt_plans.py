@@ -54,9 +54,11 @@ def test_litgpt_multi_head_and_grouped_query_train_like_one_device_tp2():
     assert_litgpt_matches_ddp("--tp", "2", groups="4,2")
 
 
-def test_pythia_style_blocks_shard_their_gelu_mlp_and_biased_qkv():
-    plan = resolve_tp_plan(tiny_litgpt(groups=4, variant="neox"), None, 2)
-    got = {e.name: (e.style, e.extra.get("packed_chunks", 1)) for e in plan.entries if e.style != "replicate"}
+@pytest.mark.parametrize("groups, packing", [(4, 3), (2, (32, 16, 16))])
+def test_pythia_style_blocks_shard_their_gelu_mlp_and_biased_qkv(groups, packing):
+    plan = resolve_tp_plan(tiny_litgpt(groups=groups, variant="neox"), None, 2)
+    got = {e.name: (e.style, e.extra.get("packed_sections", e.extra.get("packed_chunks", 1)))
+           for e in plan.entries if e.style != "replicate"}
     block = "transformer.h.3"
-    assert got[f"{block}.attn.qkv"] == ("column", 3) and got[f"{block}.mlp.fc"] == ("column", 1)
+    assert got[f"{block}.attn.qkv"] == ("column", packing) and got[f"{block}.mlp.fc"] == ("column", 1)
     assert got[f"{block}.mlp.proj"] == ("row", 1)

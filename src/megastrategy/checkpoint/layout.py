@@ -10,6 +10,8 @@ rank's tensor is one or more rectangular *chunks* of that canonical tensor:
   (vocabulary padding rows are dropped, so the canonical shape is the unpadded one);
 * a packed projection (``packed_chunks = k``, fused QKV) holds ``k`` separate pieces,
   ``[q_r | k_r | v_r]``: ``k`` chunks at ``c * n + r * n/tp`` of the canonical ``[k*n, ...]``;
+  with unequal ``packed_sections`` (grouped-query ``[q|k|v]``) each section ``c`` of ``n_c`` rows
+  starting at ``s_c`` gives the chunk at ``s_c + r * n_c/tp`` (:meth:`ShardSpec.sections`);
 * a layer built from a Hugging Face ``Conv1D`` stores its weight ``[out, in]`` while the
   user's tensor is ``[in, out]``: its chunks are transposed views.
 

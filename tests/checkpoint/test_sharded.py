@@ -2,9 +2,12 @@
 
 Models cover every way a rank's tensor differs from the user's: vocabulary padding and a tied
 head (hand-written GPT, user plan), packed QKV with renamed parameters (nn.TransformerEncoder,
-auto plan), packed QKV stored transposed (Hugging Face GPT-2 ``Conv1D``, auto plan).
+auto plan), packed QKV stored transposed (Hugging Face GPT-2 ``Conv1D``, auto plan), and (when LitGPT is
+installed) a grouped-query ``[q|k|v]`` of unequal packed sections (LitGPT, built-in plan).
 """
 from __future__ import annotations
+
+import importlib.util
 
 import pytest
 import torch
@@ -28,7 +31,13 @@ def _models():
     torch.manual_seed(2)
     cfg = GPT2Config(vocab_size=101, n_positions=16, n_embd=32, n_layer=1, n_head=4)
     gpt2 = nn.ModuleDict({"model": GPT2LMHeadModel(cfg)})
-    return {"gpt": (gpt, GPT.TP_PLAN), "encoder": (enc, None), "gpt2": (gpt2, None)}
+    models = {"gpt": (gpt, GPT.TP_PLAN), "encoder": (enc, None), "gpt2": (gpt2, None)}
+    if importlib.util.find_spec("litgpt") is not None:  # optional: installed with --no-deps
+        from tests.helpers.litgpt_runs import tiny_litgpt
+
+        torch.manual_seed(3)
+        models["litgpt_gqa"] = (tiny_litgpt(groups=2), None)
+    return models
 
 
 def _shard_worker(rank, world, root):
@@ -65,6 +74,7 @@ def _shard_worker(rank, world, root):
             "gpt": {"wte.weight": DTensor, "blocks.0.proj.weight": DTensor, "ln_f.weight": torch.Tensor},
             "encoder": {"encoder.layers.0.self_attn.in_proj_weight": ChunkedTensor, "encoder.layers.0.linear1.bias": DTensor},
             "gpt2": {"model.transformer.h.0.attn.c_attn.weight": ChunkedTensor, "model.transformer.h.0.mlp.c_fc.weight": DTensor},
+            "litgpt_gqa": {"transformer.h.0.attn.qkv.weight": ChunkedTensor, "transformer.h.0.mlp.fc_1.weight": DTensor},
         }[name]
         for n, kind in expect.items():
             assert kinds[n] is kind, (name, n, kinds[n])
@@ -134,7 +144,7 @@ def test_save_consolidate_and_reload_on_other_layouts(tmp_path):
     from megastrategy.checkpoint import consolidate
 
     run_distributed(_shard_worker, TP, str(tmp_path), timeout=240)
-    for name in ("gpt", "encoder", "gpt2"):
+    for name in [n for n in ("gpt", "encoder", "gpt2", "litgpt_gqa") if (tmp_path / f"{n}.full.pt").exists()]:
         full = torch.load(tmp_path / f"{name}.full.pt")
         got = consolidate(tmp_path / name)
         assert list(got) == list(full), name  # names AND the state_dict order
@@ -146,6 +156,8 @@ def test_save_consolidate_and_reload_on_other_layouts(tmp_path):
     gpt2 = consolidate(tmp_path / "gpt2")
     assert gpt2["model.transformer.h.0.attn.c_attn.weight"].shape == (32, 96)  # Conv1D [in, out]
     assert consolidate(tmp_path / "gpt")["wte.weight"].shape == (101, 32)
+    if (tmp_path / "litgpt_gqa.full.pt").exists():  # 4 query, 2 key, 2 value heads of 8
+        assert consolidate(tmp_path / "litgpt_gqa")["transformer.h.0.attn.qkv.weight"].shape == (64, 32)
 
 
 def _experts_worker(rank, world, root):

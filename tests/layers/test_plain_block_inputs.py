@@ -76,6 +76,10 @@ def _models(name):
         from tests.helpers.models import GPT
 
         return GPT(), GPT.TP_PLAN
+    if name == "torch_encoder":  # nn.TransformerEncoderLayer, built-in plan (its MHA's parameters are renamed)
+        from tests.helpers.models import EncoderClassifier
+
+        return EncoderClassifier(), None
     from tests.helpers.litgpt_runs import tiny_litgpt
 
     return tiny_litgpt(4), LITGPT_PLAN
@@ -97,7 +101,7 @@ def _verify(rank, world, names):
 
 
 def test_a_user_plan_the_forward_cannot_run_sharded_is_refused_in_setup_tp2():
-    names = ["nano", "nano_mlp_only", "helpers_gpt"]
+    names = ["nano", "nano_mlp_only", "helpers_gpt", "torch_encoder"]
     try:
         import litgpt  # noqa: F401
         names.append("litgpt")
@@ -112,7 +116,8 @@ def test_a_user_plan_the_forward_cannot_run_sharded_is_refused_in_setup_tp2():
     assert "tp_plan['h.*.attn.c_attn']" in msg and "its forward raised ValueError: not enough values to unpack" in msg
     assert "\n" not in msg and "'h.*.attn': 'replicate'" in msg and "y.view(B, T, -1)" in msg
     assert res["nano_mlp_only"] == ("ok", ["h.0.mlp"])  # the MLP block is verified, and passes
-    assert res["helpers_gpt"] == ("ok", ["blocks.0"])
+    assert res["helpers_gpt"] == ("ok", ["blocks.0"])  # one block per distinct (class, plan)
+    assert res["torch_encoder"] == ("ok", ["encoder.layers.0"])
     if "litgpt" in res:  # its blocks need rotary tables: captured through GPT(idx), and the plan is exact
         assert res["litgpt"] == ("ok", ["transformer.h.0.attn", "transformer.h.0.mlp"])
 

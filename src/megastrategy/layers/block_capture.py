@@ -7,8 +7,9 @@ every repeat of a layer runs the same code on the same plan.
 
 Inputs come from one forward of the enclosing Hugging Face model on random token ids (eval
 mode, no grad, a private RNG: the user's random streams are untouched). Blocks outside a
-Hugging Face model (a user's own modules under ``tp_plan``, ``torch.nn`` layers) have no
-known input and are not captured.
+Hugging Face model (a user's own modules under ``tp_plan``, LitGPT, ``torch.nn`` layers) run
+on a guessed random input (:mod:`megastrategy.layers.plain_block_inputs`); those no guess
+reaches are not captured.
 """
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from megastrategy.layers.plain_block_inputs import capture_plain_inputs
 from megastrategy.layers.plan.module_names import globify
 from megastrategy.layers.random_ids_forward import SEED, forward_on_random_ids
 from megastrategy.layers.plan.resolved import PlanEntry, ResolvedPlan
@@ -43,6 +45,7 @@ class CapturedBlock:
     args: tuple
     kwargs: dict
     sources: tuple[str, ...]  # where its plan entries came from
+    entries: tuple[str, ...] = ()  # its plan entries, "<name in the block>: <style>"
 
 
 def _opens(e: PlanEntry) -> bool:
@@ -68,8 +71,13 @@ def sharded_blocks(plan: ResolvedPlan) -> dict[str, list[PlanEntry]]:
             groups.setdefault(parent_name(key), []).extend(groups.pop(key))
 
 
+def _glob_extra(e: PlanEntry) -> list[tuple[str, str]]:
+    """``extra`` with module names globbed (``input_copy='blocks.1'`` is the same as ``'blocks.0'``)."""
+    return [(k, globify(v) if isinstance(v, str) else repr(v)) for k, v in e.extra.items()]
+
+
 def _signature(module: nn.Module, name: str, entries: list[PlanEntry]) -> tuple:
-    rel = tuple(sorted((globify(e.name), e.style, globify(str(sorted(e.extra.items())))) for e in entries))
+    rel = tuple(sorted((globify(e.name), e.style, str(sorted(_glob_extra(e)))) for e in entries))
     return (type(module.get_submodule(name) if name else module).__qualname__, rel)
 
 
@@ -123,26 +131,34 @@ def _run_hf_model(root: nn.Module, targets: dict[str, nn.Module]) -> dict[str, t
     return captured
 
 
+def _relative_entries(name: str, entries: list[PlanEntry]) -> tuple[str, ...]:
+    return tuple(f"{e.name[len(name) + 1:] if name else e.name}: {e.style}" for e in entries)
+
+
 def capture_blocks(module: nn.Module, plan: ResolvedPlan) -> list[CapturedBlock]:
     """The representative blocks of ``plan`` with their inputs and unsharded copies; the
     module's training flags are restored afterwards."""
     chosen = _representatives(module, sharded_blocks(plan))
     by_root: dict[str, dict[str, nn.Module]] = {}
+    plain = {}
     for name in chosen:
         root = _hf_root(module, name)
         if root is not None:
             by_root.setdefault(root[0], {})[name] = module.get_submodule(name)
+        else:
+            plain[name] = chosen[name]
     flags = {m: m.training for m in module.modules()}
     module.eval()
     try:
         captured: dict[str, tuple[tuple, dict]] = {}
         for root_name, targets in by_root.items():
             captured.update(_run_hf_model(module.get_submodule(root_name) if root_name else module, targets))
+        captured.update(capture_plain_inputs(module, plain, _detached))
     finally:
         for m, mode in flags.items():
             m.training = mode
     return [
         CapturedBlock(name, copy.deepcopy(module.get_submodule(name)), args, kwargs,
-                      tuple(dict.fromkeys(e.source for e in chosen[name])))
+                      tuple(dict.fromkeys(e.source for e in chosen[name])), _relative_entries(name, chosen[name]))
         for name, (args, kwargs) in captured.items()
     ]

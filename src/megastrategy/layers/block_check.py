@@ -91,9 +91,13 @@ def _param_errors(
     ref: dict[str, Tensor | None], got: dict[str, Tensor | None], group, floor: float
 ) -> list[tuple[str, float]]:
     """Same-shape (replicated) gradients compared directly; sharded ones by their norm over TP.
-    Every rank reaches the same collectives in the same order."""
+    Every rank reaches the same collectives in the same order. A parameter the sharded block
+    holds under another name (``nn.MultiheadAttention``'s ``in_proj_weight`` became the column
+    layer ``in_proj``) is not compared by name: the output and input gradient still cover it."""
     errors = []
     for name, want in ref.items():
+        if name not in got:
+            continue
         have = got.get(name)
         if want is not None and have is not None and have.shape != want.shape:
             total = all_reduce(have.double().pow(2).sum().reshape(1), group)
@@ -103,6 +107,14 @@ def _param_errors(
             err = _rel_err(have, want, floor)
         errors.append((f"gradient of {name}", err))
     return errors
+
+
+_RAISED = "its forward raised"
+
+
+def _first_line(exc: Exception) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else "(no message)"
 
 
 def _check_block(module: nn.Module, cap: CapturedBlock, group) -> str | None:
@@ -116,7 +128,7 @@ def _check_block(module: nn.Module, cap: CapturedBlock, group) -> str | None:
         try:
             got_out, got_in, got_params = _forward_backward(sharded, cap)
         except Exception as exc:  # noqa: BLE001 - a wrong plan often fails on shapes: report it
-            return f"its forward raised {type(exc).__name__}: {exc}"
+            return f"{_RAISED} {type(exc).__name__}: {_first_line(exc)}"
         floor = _scale(list(want_in) + list(want_params.values()))
         errors = [("output", _rel_err(got_out, want_out, 0.0))]
         errors.append(("gradient of the input hidden states", _rel_err(got_in[0], want_in[0], floor)))
@@ -142,11 +154,23 @@ def verify_sharded_blocks(module: nn.Module, captured: list[CapturedBlock], grou
         return
     name, (cap, detail) = next(iter(failures.items()))
     raise MegatronConfigError(
-        f"tp={tp}: the sharded block {name!r} ({type(cap.reference).__name__}; plan from "
-        f"{', '.join(cap.sources)}) does not compute what the unsharded block computes on a random input: "
-        f"{detail}. Refusing to train on a plan that would be silently wrong"
+        f"tp={tp}: the sharded block {name!r} ({type(cap.reference).__name__}; "
+        + (f"entries {', '.join(cap.entries)}; " if cap.entries else "")
+        + f"plan from {', '.join(cap.sources)}) does not compute what the unsharded block computes on a random "
+        f"input: {detail}. Refusing to train on a plan that would be silently wrong or fail in the first step"
         + (f" (also wrong: {', '.join(repr(n) for n in list(failures)[1:])})" if len(failures) > 1 else "")
         + f". Fix its entries in tp_plan, e.g. tp_plan={{'*': 'auto', {globify(name)!r}: 'replicate'}} to keep "
         f"the block whole, or give each of its layers the right style ('column' for a projection whose output "
-        f"is split by heads, 'row' for the layer consuming it)."
+        f"is split by heads, 'row' for the layer consuming it)" + _raised_hint(detail) + "."
     )
+
+
+def _raised_hint(detail: str) -> str:
+    """What works when the sharded forward raised (usually a reshape to the full size)."""
+    if not detail.startswith(_RAISED):
+        return ""
+    return ("; a forward that splits or reshapes with the full sizes (nanoGPT's split(C) and y.view(B, T, C), "
+            "a head count stored on the module) cannot run on the local heads: read the sizes from the tensor "
+            "(split(x.shape[-1] // 3), y.view(B, T, -1)), "
+            "or use the built-in plan, tp_plan={'*': 'auto'}, where megastrategy recognizes the model "
+            "(Hugging Face, LitGPT, torch.nn)")

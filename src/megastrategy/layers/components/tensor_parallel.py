@@ -17,9 +17,10 @@ class TensorParallel(Component):
     """Shards the layers the plan names over the TP ranks (``tp_plan`` or auto-detection).
 
     The plan is resolved from names and shapes only, so every plan error comes before the
-    first collective. After sharding, each distinct sharded block of a Hugging Face model is
-    run against its unsharded copy on a random input (``block_check``): a plan that would be
-    silently wrong refuses to train, naming the block. At ``tp=1`` it is still resolved: the Transformer Engine backend swaps
+    first collective. After sharding, each distinct sharded block is run against its unsharded
+    copy on a random input (``block_check``; outside Hugging Face on a guessed one,
+    ``plain_block_inputs``): a plan that would be silently wrong, or whose forward cannot run on
+    the local heads, refuses to train, naming the block. At ``tp=1`` it is still resolved: the Transformer Engine backend swaps
     exactly the layers the plan marks.
     """
 

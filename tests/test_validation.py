@@ -75,7 +75,7 @@ class _ThreeLayerGPT(GPT):
 class _NotAList(GPT):
     def __init__(self):
         super().__init__()
-        self.stack = nn.Sequential(nn.Linear(2, 2))
+        self.stack = nn.Linear(2, 2)  # neither an nn.ModuleList nor an nn.Sequential of blocks
 
 
 @pytest.mark.parametrize(
@@ -83,7 +83,7 @@ class _NotAList(GPT):
     [
         (2, lambda: _ThreeLayerGPT(), dict(pp=2), r"num_layers=3.*pp"),
         (2, lambda: GPT(n_layer=4), dict(pp=2, pipeline_layers="stack"), r"pipeline_layers='stack'"),
-        (2, lambda: _NotAList(), dict(pp=2, pipeline_layers="stack"), r"pipeline_layers='stack' is a Sequential"),
+        (2, lambda: _NotAList(), dict(pp=2, pipeline_layers="stack"), r"pipeline_layers='stack' is a Linear, not an nn.ModuleList or nn.Sequential"),
         (4, lambda: GPT(n_layer=8), dict(pp=4, vp=2, num_microbatches=7), r"num_microbatches"),
         (2, lambda: GPT(), dict(tp=2, tp_plan={"blocks.*.qq": "column"}), r"blocks\.\*\.qq"),
         (2, lambda: GPT(), dict(tp=2, tp_plan={"blocks.*.q": "diagonal"}), r"diagonal"),

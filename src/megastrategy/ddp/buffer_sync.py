@@ -55,22 +55,24 @@ class BufferBroadcast(Component):
 
 class BufferSync:
     """``before_step(module)`` broadcasts when due; ``after_step(again)`` says whether the next step
-    must (its forward ran with gradients and reduced them)."""
+    must (its forward ran with gradients and reduced them). The buffers are looked up at the first
+    broadcast, not every step: the sync lives for one fit, and training updates buffers in place."""
 
     def __init__(self, group: Optional[dist.ProcessGroup], ranks: list[int], enabled: bool = True) -> None:
         self.group, self.src = group, ranks[0] if ranks else 0
         self.enabled = enabled and group is not None and len(ranks) > 1
         self._due = True  # DDP broadcasts before its first forward
+        self._by_dtype: Optional[dict[torch.dtype, list[torch.Tensor]]] = None  # found once: updated in place
 
     def before_step(self, module: nn.Module) -> None:
         if not (self.enabled and self._due):
             return
-        buffers = _replicated_buffers(module)
-        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
-        for b in buffers:
-            by_dtype.setdefault(b.dtype, []).append(b)
+        if self._by_dtype is None:
+            self._by_dtype = {}
+            for b in _replicated_buffers(module):
+                self._by_dtype.setdefault(b.dtype, []).append(b)
         with torch.no_grad():
-            for group in by_dtype.values():  # one broadcast per dtype, the buffers packed flat
+            for group in self._by_dtype.values():  # one broadcast per dtype, the buffers packed flat
                 flat = torch.cat([b.reshape(-1) for b in group])
                 dist.broadcast(flat, src=self.src, group=self.group)
                 offset = 0

@@ -64,38 +64,51 @@ class _Stage(torch.nn.Module):
         return self.classifier(self.pooler(h)) if self.last else h
 
 
-def _lightning_worker(cfg: dict, rank: int) -> dict:
+def bert_lightning_module(hidden: int):
+    """The LightningModule a user writes around the BERT classifier (loss from ``labels=``)."""
     import lightning as L
 
     class Classifier(L.LightningModule):
         def __init__(self):
             super().__init__()
-            self.model = _bert(cfg["hidden"])
+            self.model = _bert(hidden)
 
         def training_step(self, batch, batch_idx):
             ids, labels = batch
             return self.model(input_ids=ids, labels=labels).loss
 
-        def validation_step(self, batch, batch_idx):
-            ids, labels = batch
-            return self.model(input_ids=ids, labels=labels).loss
+        validation_step = training_step
 
         def configure_optimizers(self):
             return torch.optim.AdamW(self.parameters(), lr=LR)
 
-    timer = step_timer()
-    if cfg["pp"] > 1:
+    return Classifier()
+
+
+def lightning_run(hidden: int, pp: int, steps: int, callbacks: list, stages: tuple[str, ...] = ("fit", "validate")) -> None:
+    """``trainer.fit`` and/or ``trainer.validate`` of :func:`bert_lightning_module` under
+    ``MegatronStrategy(pp)`` (plain Lightning on one process when ``pp`` is 1)."""
+    import lightning as L
+
+    if pp > 1:
         from megastrategy import MegatronStrategy
 
-        strategy, devices = MegatronStrategy(pp=cfg["pp"], num_microbatches=MICROBATCHES), cfg["pp"]
+        strategy, devices = MegatronStrategy(pp=pp, num_microbatches=MICROBATCHES), pp
     else:
         strategy, devices = "auto", 1
-    trainer = L.Trainer(accelerator="cpu", devices=devices, strategy=strategy, max_steps=cfg["steps"], logger=False,
+    trainer = L.Trainer(accelerator="cpu", devices=devices, strategy=strategy, max_steps=steps, logger=False,
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                        num_sanity_val_steps=0, callbacks=[timer], use_distributed_sampler=False)
-    module = Classifier()
-    trainer.fit(module, _batches(cfg["steps"]))
-    trainer.validate(module, _batches(cfg["steps"]), verbose=False)
+                        num_sanity_val_steps=0, callbacks=callbacks, use_distributed_sampler=False)
+    module = bert_lightning_module(hidden)
+    if "fit" in stages:
+        trainer.fit(module, _batches(steps))
+    if "validate" in stages:
+        trainer.validate(module, _batches(steps), verbose=False)
+
+
+def _lightning_worker(cfg: dict, rank: int) -> dict:
+    timer = step_timer()
+    lightning_run(cfg["hidden"], cfg["pp"], cfg["steps"], [timer])
     return timer_record(timer)
 
 

@@ -97,7 +97,6 @@ class PartTimers:
 def _ours(cfg: dict, timers: PartTimers) -> int:
     import lightning as L
 
-    from megastrategy import MegatronStrategy
     from megastrategy.pipeline import executor, p2p, step_runner, suspended_step
 
     for owner, name, part in (
@@ -115,28 +114,8 @@ def _ours(cfg: dict, timers: PartTimers) -> int:
     timers.add_thread_cpu(suspended_step.SuspendedStep, "_run", "forward (the user's step to the stage cut)")
     cb = _step_callback(timers, cfg)
 
-    class Classifier(L.LightningModule):
-        def __init__(self):
-            super().__init__()
-            self.model = peers._bert(cfg["hidden"])
-
-        def training_step(self, batch, batch_idx):
-            ids, labels = batch
-            return self.model(input_ids=ids, labels=labels).loss
-
-        validation_step = training_step
-
-        def configure_optimizers(self):
-            return torch.optim.AdamW(self.parameters(), lr=peers.LR)
-
-    trainer = L.Trainer(accelerator="cpu", devices=cfg["pp"], max_steps=cfg["steps"], logger=False,
-                        strategy=MegatronStrategy(pp=cfg["pp"], num_microbatches=peers.MICROBATCHES),
-                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                        num_sanity_val_steps=0, callbacks=[cb], use_distributed_sampler=False)
-    if cfg["stage"] == "training":
-        trainer.fit(Classifier(), peers._batches(cfg["steps"]))
-    else:
-        trainer.validate(Classifier(), peers._batches(cfg["steps"]), verbose=False)
+    stage = "fit" if cfg["stage"] == "training" else "validate"
+    peers.lightning_run(cfg["hidden"], cfg["pp"], cfg["steps"], [cb], stages=(stage,))
     return cb.measured
 
 

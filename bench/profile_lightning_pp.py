@@ -107,7 +107,6 @@ def _top(stats: pstats.Stats, key: str, n: int, steps: int) -> list[str]:
 def worker(cfg: dict) -> None:
     import os
 
-    import lightning as L
 
     torch.set_num_threads(1)
     rank = int(os.environ.get("RANK", 0))
@@ -115,31 +114,8 @@ def worker(cfg: dict) -> None:
     _patch_step_threads(profiles)
     cb = _profiler_callback(profiles, cfg["stage"], cfg["warmup"])
 
-    class Classifier(L.LightningModule):
-        def __init__(self):
-            super().__init__()
-            self.model = peers._bert(cfg["hidden"])
-
-        def training_step(self, batch, batch_idx):
-            ids, labels = batch
-            return self.model(input_ids=ids, labels=labels).loss
-
-        validation_step = training_step
-
-        def configure_optimizers(self):
-            return torch.optim.AdamW(self.parameters(), lr=peers.LR)
-
-    from megastrategy import MegatronStrategy
-
-    trainer = L.Trainer(accelerator="cpu", devices=cfg["pp"], max_steps=cfg["steps"], logger=False,
-                        strategy=MegatronStrategy(pp=cfg["pp"], num_microbatches=peers.MICROBATCHES),
-                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                        num_sanity_val_steps=0, callbacks=[cb], use_distributed_sampler=False)
-    module = Classifier()
-    if cfg["stage"] == "training":
-        trainer.fit(module, peers._batches(cfg["steps"]))
-    else:
-        trainer.validate(module, peers._batches(cfg["steps"]), verbose=False)
+    stage = "fit" if cfg["stage"] == "training" else "validate"
+    peers.lightning_run(cfg["hidden"], cfg["pp"], cfg["steps"], [cb], stages=(stage,))
     steps = max(cb.measured, 1)
     main = pstats.Stats(profiles.main)
     main_ms = main.total_tt / steps * 1e3

@@ -107,13 +107,11 @@ def _top(stats: pstats.Stats, key: str, n: int, steps: int) -> list[str]:
 def worker(cfg: dict) -> None:
     import os
 
-
     torch.set_num_threads(1)
     rank = int(os.environ.get("RANK", 0))
     profiles = _Profiles()
     _patch_step_threads(profiles)
     cb = _profiler_callback(profiles, cfg["stage"], cfg["warmup"])
-
     stage = "fit" if cfg["stage"] == "training" else "validate"
     peers.lightning_run(cfg["hidden"], cfg["pp"], cfg["steps"], [cb], stages=(stage,))
     steps = max(cb.measured, 1)

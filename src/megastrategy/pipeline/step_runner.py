@@ -38,6 +38,7 @@ from megastrategy.pipeline.schedules import forward_only_steps
 from megastrategy.pipeline.stage import PipelineStage, StageBoundary, iter_microbatches
 from megastrategy.pipeline.step_output import join_step_outputs
 from megastrategy.pipeline.suspended_step import StepThreads, SuspendedStep
+from megastrategy.pipeline.token_means import TokenMeans
 
 __all__ = ["StepRunner"]
 
@@ -60,6 +61,7 @@ class StepRunner:
         relay: Optional[OutputRelay] = None,
         device: Optional[torch.device] = None,
         schedule: str = "1f1b",
+        token_means: Optional[TokenMeans] = None,
     ) -> None:
         self.executor, self.stage, self.device = executor, stage, device
         self.schedule = schedule if stage is not None else "1f1b"  # one stage: Lightning's own backward
@@ -74,6 +76,7 @@ class StepRunner:
         self._metric_paths: Optional[dict[int, str]] = None  # id(metric) -> attribute path
         self._capture: Optional[Any] = None  # this step's log capture (pipelined steps only)
         self._ragged_sizes_told: set[int] = set()  # training batch sizes run with fewer microbatches, warned once
+        self._token_means = token_means  # the batch's token means over microbatches (pipelined steps)
 
     @classmethod
     def build(cls, ctx: SetupContext, components: Sequence[Component]) -> "StepRunner":
@@ -97,6 +100,8 @@ class StepRunner:
             executor=executor, components=components, stage=ctx.stage,
             num_microbatches=config.num_microbatches, relay=relay, device=ctx.device,
             schedule=config.pipeline_schedule,
+            # under cp the context-parallel loss already takes the mean over every rank's tokens
+            token_means=TokenMeans() if config.cp == 1 else None,
         )
 
     @property
@@ -130,7 +135,8 @@ class StepRunner:
         outputs: list = []
         user_step = self._user_step(getattr(module, step_name), microbatches, args[1:], kwargs, step)
         if self.pipelined:
-            result = self._run_pipelined(module, step, user_step, outputs)
+            with self._token_means_over(step, microbatches):
+                result = self._run_pipelined(module, step, user_step, outputs)
             loss = _user_loss(result) if step.training else None
             if backward_hooks is not None and loss is not None:
                 backward_hooks(loss / step.accumulate_grad_batches if step.accumulate_grad_batches > 1 else loss)
@@ -141,6 +147,11 @@ class StepRunner:
         for c in self._hooks["end_step"]:
             c.end_step(module, step)
         return result
+
+    def _token_means_over(self, step: StepInfo, microbatches: list) -> Any:
+        if self._token_means is None or len(microbatches) < 2:
+            return nullcontext()
+        return self._token_means.step(step.name, microbatches)
 
     def _split(self, step_name: str, args: tuple, kwargs: Mapping[str, Any]) -> list:
         batch = args[0]
@@ -235,8 +246,14 @@ class StepRunner:
                 self._capture.begin_microbatch(batch, keep=keep_logs)
             for c in preparers:
                 batch = c.prepare_microbatch(batch, step)
+            tokens = self._token_means if self.pipelined and len(microbatches) > 1 else None
             with ExitStack() as stack:
-                enter = lambda: [stack.enter_context(c.forward_context(batch)) for c in contexts]  # noqa: E731
+                def enter() -> None:
+                    for c in contexts:
+                        stack.enter_context(c.forward_context(batch))
+                    if tokens is not None:
+                        stack.enter_context(tokens.microbatch(microbatch))
+
                 enter()
                 if pause is None:
                     return step_fn(batch, *rest, **kwargs)

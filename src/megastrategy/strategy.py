@@ -24,11 +24,15 @@ from lightning.pytorch.trainer.states import TrainerFn
 from torch import nn
 
 from megastrategy import all_components as parts
+from megastrategy.callback_guard import refuse_callbacks
 from megastrategy.checkpoint.strategy_methods import CheckpointMethods
 from megastrategy.component import Component, Environment, SetupContext
 from megastrategy.component_list import ComponentList
 from megastrategy.config import MegatronConfig, split_strategy_arguments
+from megastrategy.ddp.component import grad_counts_here
 from megastrategy.ddp.overlap_policy import resolve_overlap_grad_reduce
+from megastrategy.layers.shard_spec import get_shard_spec
+from megastrategy.ddp.user_clip import UserNormClipping, parameter_ids
 from megastrategy.parallel_state import ParallelLayout, ParallelState
 from megastrategy.pipeline.frozen_stage import explain_empty_optimizer
 from megastrategy.pipeline.step_runner import StepRunner
@@ -38,6 +42,7 @@ from megastrategy.precision import adopt_precision_plugin
 from megastrategy.replica_collectives import ReplicaCollectives
 from megastrategy.replicas import broadcast_module_states, set_metric_process_group
 from megastrategy.signature import passthrough_arguments, signature_from
+from megastrategy.whole_model_summary import summarize_whole_models
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -71,6 +76,7 @@ class MegatronStrategy(LightningStepMethods, CheckpointMethods, ReplicaCollectiv
         self._runner: Optional[StepRunner] = None
         self._model_validated = False
         self._grads_finalized = False  # reduced for this optimizer step (manual clipping may come first)
+        self._user_clipping = UserNormClipping(lambda: parameter_ids(self.lightning_module), self._clip_user_params)
 
     def build_components(self, c: MegatronConfig) -> list[Component]:
         """Every feature, in the order its hooks run (teardown in reverse); disabled ones drop out."""
@@ -160,6 +166,7 @@ class MegatronStrategy(LightningStepMethods, CheckpointMethods, ReplicaCollectiv
         assert self.accelerator is not None and self.model is not None
         self.accelerator.setup(trainer)
         module, ps = self.lightning_module, self._state()
+        refuse_callbacks(trainer.callbacks, self.config.tp, self.config.pp)
         sharded = getattr(module, "_megastrategy_sharded", False)
         if not sharded:
             broadcast_module_states(module, src=0)  # every rank starts from rank 0's weights
@@ -178,6 +185,7 @@ class MegatronStrategy(LightningStepMethods, CheckpointMethods, ReplicaCollectiv
         self.model_to_device()
         if trainer.state.fn == TrainerFn.FITTING:
             self._setup_gradients(trainer, module)
+            self._summarize_whole_model(trainer)
         self.setup_precision_plugin()
         adopt_precision_plugin(self.precision_plugin, clip_norm=self.grad_buffers.clip_grad_norm,
                                clip_value=self.grad_buffers.clip_grad_value, grads_visible=self.grad_buffers.grads_visible,
@@ -199,6 +207,14 @@ class MegatronStrategy(LightningStepMethods, CheckpointMethods, ReplicaCollectiv
             raise
         self.optimizers = self.components.chain("wrap_optimizers", self.optimizers)
 
+    def _summarize_whole_model(self, trainer: "pl.Trainer") -> None:
+        """Model-summary callbacks count the whole model, not this rank's shards and stage."""
+        if self.config.tp * self.config.pp > 1:
+            counted = grad_counts_here(self._ctx)
+            tp_rank = self._ctx.parallel_state.tp_rank
+            summarize_whole_models(trainer.callbacks, counted=counted, group=self._ctx.parallel_state.mp_group,
+                                   replicated_here=lambda p: get_shard_spec(p) is not None or tp_rank == 0)
+
     def configure_ddp(self) -> None:
         """No DistributedDataParallel wrapper: the gradient buffer does data parallelism."""
 
@@ -219,6 +235,8 @@ class MegatronStrategy(LightningStepMethods, CheckpointMethods, ReplicaCollectiv
     def on_train_start(self) -> None:
         super().on_train_start()
         self.components.each("on_train_start")
+        if self.config.tp * self.config.pp > 1:  # a local norm differs from one device's only on a split model
+            self._user_clipping.install()
 
     def batch_to_device(self, batch: Any, device: Optional[torch.device] = None, dataloader_idx: int = 0) -> Any:
         # The first per-batch call Lightning makes: the right moment to say what this rank is doing.
@@ -250,6 +268,13 @@ class MegatronStrategy(LightningStepMethods, CheckpointMethods, ReplicaCollectiv
             self.components.each("zero_grads")
             self._grads_finalized = False
 
+    def _clip_user_params(self, params: list, max_norm: float, norm_type: float) -> torch.Tensor:
+        """The user's ``torch.nn.utils.clip_grad_norm_`` on the model: reduced first under manual
+        optimization (called before ``opt.step()``), as ``self.clip_gradients`` does."""
+        if not self.lightning_module.automatic_optimization:
+            self._finalize_grads()
+        return self.grad_buffers.clip_params_grad_norm(params, max_norm, norm_type)
+
     def _finalize_grads(self) -> None:
         """Once per optimizer step: from the step's closure, or earlier from a manual ``clip_gradients``."""
         if not self._grads_finalized and any(b.has_grads for b in self._ctx.grad_buffers):
@@ -273,6 +298,7 @@ class MegatronStrategy(LightningStepMethods, CheckpointMethods, ReplicaCollectiv
         super().on_validation_start()
 
     def on_train_end(self) -> None:  # test/predict after fit start from gathered parameters
+        self._user_clipping.remove()
         self.wait_for_param_gather()
         super().on_train_end()
 
@@ -282,5 +308,6 @@ class MegatronStrategy(LightningStepMethods, CheckpointMethods, ReplicaCollectiv
         self.components.each("on_exception", exception)
 
     def teardown(self) -> None:
+        self._user_clipping.remove()
         self.components.teardown()
         super().teardown()

@@ -37,6 +37,7 @@ from megastrategy.ddp.grad_clip import clip_grad_norm_, global_grad_norm
 from megastrategy.ddp.grad_views import visible_grads
 from megastrategy.ddp.optimizer_wrapping import wrap_optimizers
 from megastrategy.ddp.trainable_set import refuse_change, trainable_change
+from megastrategy.ddp.user_clip import refuse_without_visible_grads
 from megastrategy.errors import MegatronConfigError
 from megastrategy.layers.shard_spec import get_shard_spec
 from megastrategy.rank_zero import log_on_rank_zero
@@ -204,6 +205,17 @@ class GradientBuffers(Component):
         if isinstance(optimizer, DistributedOptimizer):
             return optimizer.clip_grad_norm_(float(clip_val), counts_here=counts_here, model_parallel_group=ps.mp_group)
         return clip_grad_norm_(params, float(clip_val), counts_here=counts_here, group=ps.mp_group)
+
+    def clip_params_grad_norm(self, params: list, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Clip these parameters' gradients by their true global norm: the user's own
+        ``torch.nn.utils.clip_grad_norm_(self.parameters(), ...)`` (:mod:`megastrategy.ddp.user_clip`)."""
+        ctx = self._require_ctx()
+        refuse_without_visible_grads(any(isinstance(_unwrap(o), DistributedOptimizer) for o in self._optimizers))
+        ps, counts_here = ctx.parallel_state, grad_counts_here(ctx)
+        if ctx.num_moe_layers:
+            return clip_grad_norm_with_experts(params, max_norm, parallel_state=ps, dense_counts_here=counts_here,
+                                               norm_type=norm_type)
+        return clip_grad_norm_(params, max_norm, counts_here=counts_here, group=ps.mp_group, norm_type=norm_type)
 
     def clip_grad_value(self, optimizer: Any, clip_val: Union[int, float]) -> None:
         """For ``gradient_clip_algorithm="value"`` (elementwise, so only where the gradients live)."""

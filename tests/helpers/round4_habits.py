@@ -89,9 +89,20 @@ class LitAutoEncoder(L.LightningModule):
         return torch.optim.Adam(self.parameters(), lr=1e-3)
 
 
-def autoencoder(args, workdir):
+AUTOENCODER_PLAN = {"encoder.0": "column", "encoder.2": "row", "decoder.0": "column", "decoder.2": "row"}
+
+
+def _autoencoder(plan):
+    def run(args, workdir):
+        return autoencoder(args, plan)
+
+    return run
+
+
+def autoencoder(args, plan):
+    """No plan at tp2: refused, naming tp_plan; with a plan the user writes (the MLPs' Linear pairs), DDP's losses."""
     losses, data = StepLosses(), DigitsDataModule(8 // args.dp)
-    t = trainer(args, [losses], plan=None, max_steps=4, val_check_interval=4, limit_val_batches=2)
+    t = trainer(args, [losses], plan=plan, max_steps=4, val_check_interval=4, limit_val_batches=2)
     t.fit(LitAutoEncoder(), datamodule=data)
     return {"losses": losses.losses, "val_loss": float(t.callback_metrics["val_loss"]), "stages": data.stages}
 
@@ -282,7 +293,8 @@ def predict_structure(args, workdir):
 
 HABITS = {
     "boring": boring,
-    "autoencoder": autoencoder,
+    "autoencoder": _autoencoder(None),
+    "autoencoder-plan": _autoencoder(AUTOENCODER_PLAN),
     "summary": summary,
     "predict-writer": predict_writer,
     "predict-structure": predict_structure,

@@ -38,3 +38,18 @@ def test_a_single_microbatch_is_returned_detached_as_it_is():
     loss = torch.tensor(2.0, requires_grad=True) * 1
     joined = join_step_outputs([{"loss": loss}], "training_step")
     assert joined["loss"].item() == 2.0 and not joined["loss"].requires_grad
+
+
+def test_a_shaped_value_for_the_whole_microbatch_is_averaged_not_concatenated():
+    """``loss.reshape(1)`` per microbatch of 2 (BoringModel-style predict_step): one value, as one device returns."""
+    joined = join_step_outputs([torch.tensor([2.0]), torch.tensor([4.0])], "predict_step", sizes=[2, 2])
+    assert joined.shape == (1,) and joined.item() == 3.0
+    counts = join_step_outputs([torch.tensor([2, 1]), torch.tensor([3, 1])], "predict_step", sizes=[3, 3])
+    assert counts.tolist() == [5, 2]
+
+
+def test_per_example_tensors_are_concatenated_when_the_sizes_say_so():
+    joined = join_step_outputs([torch.tensor([1.0, 2.0]), torch.tensor([3.0, 4.0])], "predict_step", sizes=[2, 2])
+    assert joined.tolist() == [1.0, 2.0, 3.0, 4.0]
+    ragged = join_step_outputs([torch.zeros(3, 2), torch.zeros(2, 2)], "predict_step", sizes=[3, 2])
+    assert ragged.shape == (5, 2)

@@ -6,15 +6,18 @@ and ``on_train_batch_end(outputs)``, the ``validation_step``/``predict_step`` ou
 ``on_validation_batch_end(outputs)`` and the prediction list. Microbatches have equal sizes, so
 per leaf of the output (a tensor, dict, tuple, Hugging Face ``ModelOutput``):
 
-* a tensor with a batch dimension (predictions, logits, labels) is concatenated along dim 0;
+* a tensor with a batch dimension (predictions, logits, labels: its first size is the
+  microbatch's) is concatenated along dim 0;
 * a 0-dim floating tensor or a float (a loss, a mean) is averaged; a 0-dim integer tensor or an
-  int (a count) is summed;
+  int (a count) is summed; so is a tensor whose first size is not the microbatch's, a value for the
+  whole batch (``loss.reshape(1)``, Lightning's ``BoringModel``-style ``predict_step``): concatenated,
+  a batch of 4 in two microbatches returned two losses where one device returns one;
 * any other value (a string, a flag) is kept when every microbatch gave the same, else the list
   of per-microbatch values is returned in its place.
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Optional
 
 import torch
 from torch import Tensor
@@ -25,8 +28,9 @@ from megastrategy.errors import MegatronConfigError
 __all__ = ["join_step_outputs"]
 
 
-def join_step_outputs(outputs: list, step_name: str) -> Any:
-    """The whole batch's step output (detached) from ``outputs``, one per microbatch in order."""
+def join_step_outputs(outputs: list, step_name: str, sizes: Optional[list] = None) -> Any:
+    """The whole batch's step output (detached) from ``outputs``, one per microbatch in order;
+    ``sizes``: each microbatch's number of examples (``None``: every shaped tensor has a batch dimension)."""
     if all(o is None for o in outputs):
         return None
     flat = [flatten_batch(o) for o in outputs]
@@ -38,16 +42,23 @@ def join_step_outputs(outputs: list, step_name: str) -> Any:
             "batch's value, so return the same structure (e.g. always the loss, or always a dict with the same keys)."
         )
     columns = zip(*(leaves for leaves, _ in flat))
-    return unflatten_batch([_join_leaf(list(values)) for values in columns], spec)
+    return unflatten_batch([_join_leaf(list(values), sizes) for values in columns], spec)
 
 
-def _join_leaf(values: list) -> Any:
+def _per_example(tensors: list, sizes: Optional[list]) -> bool:
+    """Whether shaped tensors carry the microbatches' examples along dim 0 (else: one value per microbatch)."""
+    if sizes is None or len(sizes) != len(tensors):
+        return True
+    return all(t.shape[0] == n for t, n in zip(tensors, sizes)) or any(t.shape != tensors[0].shape for t in tensors)
+
+
+def _join_leaf(values: list, sizes: Optional[list] = None) -> Any:
     first = values[0]
     if isinstance(first, Tensor):
         tensors = [v.detach() for v in values]
         if len(tensors) == 1:
             return tensors[0]
-        if first.dim() > 0:
+        if first.dim() > 0 and _per_example(tensors, sizes):
             return torch.cat(tensors)
         stacked = torch.stack(tensors)
         return stacked.mean(0) if stacked.is_floating_point() else stacked.sum(0)

@@ -136,7 +136,7 @@ class StepRunner:
         user_step = self._user_step(getattr(module, step_name), microbatches, args[1:], kwargs, step)
         if self.pipelined:
             with self._token_means_over(step, microbatches):
-                result = self._run_pipelined(module, step, user_step, outputs)
+                result = self._run_pipelined(module, step, user_step, outputs, [_leading_size(m) for m in microbatches])
             loss = _user_loss(result) if step.training else None
             if backward_hooks is not None and loss is not None:
                 backward_hooks(loss / step.accumulate_grad_batches if step.accumulate_grad_batches > 1 else loss)
@@ -177,7 +177,7 @@ class StepRunner:
                 f"An epoch's ragged last batch does this; for every batch, pick a batch size that is a multiple of {wanted}."))
         return m
 
-    def _run_pipelined(self, module: Any, step: StepInfo, user_step: Callable, outputs: list) -> Any:
+    def _run_pipelined(self, module: Any, step: StepInfo, user_step: Callable, outputs: list, sizes: list) -> Any:
         if self._metric_paths is None:  # the module's structure is fixed once it is sharded
             self._metric_paths = metric_paths(module)
         with capturing_logs(module, self._metric_paths) as capture:
@@ -190,7 +190,7 @@ class StepRunner:
                     paused.abort()
                 self._capture, self._recorded, self._paused = None, {}, {}
         replay_logs(module, capture)
-        return join_step_outputs(outputs, step.name)
+        return join_step_outputs(outputs, step.name, sizes)
 
     def _finish_steps(self, step: StepInfo, outputs: list) -> None:
         """Relay the last stage's model outputs; the other stages finish each microbatch's paused step."""

@@ -194,10 +194,15 @@ def on_exception_checkpoint(args, workdir):
         raised = str(error)
     else:
         raised = None
+    straight = StepLosses()
+    if args.strategy == "ddp":  # DDP restarts the epoch's loader on resume; the strategy resumes exactly
+        L.seed_everything(7, verbose=False)  # the failing run's start
+        trainer(args, [straight], max_steps=4, limit_val_batches=0).fit(GPT(batch_size=8 // args.dp))
     resumed, after = GPT(batch_size=8 // args.dp), StepLosses()
     t = trainer(args, [after], max_steps=4, limit_val_batches=0)
     t.fit(resumed, ckpt_path=str(workdir / "on_exception.ckpt"))
-    return {"losses": losses.losses + after.losses, "raised": raised, "global_step": t.global_step}
+    return {"losses": losses.losses + after.losses, "raised": raised, "global_step": t.global_step,
+            "straight": straight.losses, "saved": (workdir / "on_exception.ckpt").exists()}
 
 
 def pruning(args, workdir):
@@ -278,6 +283,30 @@ def _module_habit(*habits):
     return run
 
 
+class ManualClipGPT(GPT):
+    """Manual optimization with torch's clipping between ``manual_backward`` and ``opt.step()``."""
+
+    def __init__(self, **kw) -> None:
+        super().__init__(optimizer="sgd", **kw)
+        self.automatic_optimization, self.norms = False, []
+
+    def training_step(self, batch, batch_idx):
+        opt = self.optimizers()
+        loss = self.compute_loss(batch)
+        self.manual_backward(loss)
+        self.norms.append(float(torch.nn.utils.clip_grad_norm_(self.parameters(), max_norm=0.05)))
+        opt.step()
+        opt.zero_grad()
+        self.log("train_loss", loss)
+        return loss
+
+
+def manual_clip_manual_optimization(args, workdir):
+    losses, module = StepLosses(), ManualClipGPT(batch_size=8 // args.dp, n_train=32)
+    trainer(args, [losses], max_steps=4, limit_val_batches=0).fit(module)
+    return {"losses": losses.losses, "norms": module.norms}
+
+
 def predict_structure(args, workdir):
     class Structured(GPT):
         def predict_step(self, batch, batch_idx):
@@ -304,6 +333,7 @@ HABITS = {
     "pruning": pruning,
     "batch-size-finder": batch_size_finder,
     "manual-clip": _module_habit("manual-clip"),
+    "manual-clip-manual-optimization": manual_clip_manual_optimization,
     "no-decay": _module_habit("no-decay"),
     "module-misc": _module_habit("param-count", "stepping-batches", "strategy-reduce", "self-print", "all-gather-log"),
 }

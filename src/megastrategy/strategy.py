@@ -235,8 +235,8 @@ class MegatronStrategy(LightningStepMethods, CheckpointMethods, ReplicaCollectiv
     def on_train_start(self) -> None:
         super().on_train_start()
         self.components.each("on_train_start")
-        if self.config.tp * self.config.pp > 1:  # a local norm differs from one device's only on a split model
-            self._user_clipping.install()
+        if self.config.tp * self.config.pp > 1 or self.config.use_distributed_optimizer:  # else p.grad is DDP's
+            self._user_clipping.install()  # a local norm would be wrong (split model) or see no p.grad (ZeRO-1)
 
     def batch_to_device(self, batch: Any, device: Optional[torch.device] = None, dataloader_idx: int = 0) -> Any:
         # The first per-batch call Lightning makes: the right moment to say what this rank is doing.

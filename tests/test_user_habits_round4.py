@@ -13,6 +13,8 @@ One launch per layout of tests/scripts/habits_round4.py runs every habit one aft
   or between ``manual_backward`` and ``opt.step()``: DDP's norm and losses (a tp/pp rank's local norm was smaller);
 * weight-decay groups built by name, ``LearningRateMonitor(log_momentum=True, log_weight_decay=True)``'s rows,
   ``strategy.reduce``, ``estimated_stepping_batches``, ``self.all_gather`` logged at epoch end;
+* ``ThroughputMonitor``: the global rates count data-parallel replicas (tp2 logged twice its samples
+  per second as ``samples_per_sec``); ``Tuner.scale_batch_size`` refused as under DDP;
 * ``ModelPruning`` refused at tp2 and pp2 (it ranks a shard's or a stage's weights), DDP's losses at dp2;
   ``OnExceptionCheckpoint`` saves and resumes at tp2 and dp2, refused at pp2 (the save would hang).
 """
@@ -29,8 +31,8 @@ TOL = 2e-4
 pytestmark = pytest.mark.slow
 
 SPLIT = ["summary", "predict-writer", "predict-structure", "manual-clip", "no-decay", "module-misc", "pruning",
-         "on-exception-checkpoint", "lr-monitor-momentum"]
-DATA = ["boring", "autoencoder", "summary", "predict-writer", "manual-clip", "pruning", "on-exception-checkpoint"]
+         "on-exception-checkpoint", "lr-monitor-momentum", "throughput", "batch-size-finder"]
+DATA = ["boring", "autoencoder", "summary", "predict-writer", "manual-clip", "pruning", "on-exception-checkpoint", "throughput"]
 LAUNCHES = {  # layout: (processes, strategy arguments, habits)
     "ddp": (1, ["--strategy", "ddp"], SPLIT + ["autoencoder", "manual-clip-manual-optimization"]),
     "tp2": (2, ["--strategy", "megatron", "--tp", "2"],
@@ -130,3 +132,11 @@ def test_on_exception_checkpoint_resumes_where_the_run_stopped(layout):
     assert ours["raised"] == "user error at step 2" and ours["saved"] and ours["global_step"] == 4
     _close(ours["losses"], ref["straight"])
     assert "OnExceptionCheckpoint with pp=2" in _run("pp2")["on-exception-checkpoint"]["error"]
+
+
+@pytest.mark.parametrize("layout", ["tp2", "pp2", "dp2"])
+def test_throughput_monitor_counts_replicas_not_processes(layout):
+    ours, ref = _pair(layout, "throughput")
+    assert ours["columns"] == ref["columns"] and ours["replicas"] == ref["replicas"] and ours["samples"] == ref["samples"]
+    if layout != "dp2":
+        assert _run(layout)["batch-size-finder"]["error"] == _run("ddp")["batch-size-finder"]["error"]

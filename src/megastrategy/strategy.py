@@ -42,6 +42,7 @@ from megastrategy.precision import adopt_precision_plugin
 from megastrategy.replica_collectives import ReplicaCollectives
 from megastrategy.replicas import broadcast_module_states, set_metric_process_group
 from megastrategy.signature import passthrough_arguments, signature_from
+from megastrategy.throughput_replicas import count_replicas
 from megastrategy.whole_model_summary import summarize_whole_models
 
 if TYPE_CHECKING:
@@ -174,6 +175,7 @@ class MegatronStrategy(LightningStepMethods, CheckpointMethods, ReplicaCollectiv
         if self._ctx is None or not sharded:
             self._ctx = SetupContext.create(self.config, ps, self.root_device, module)
         self._ctx.precision_plugin = self.precision_plugin
+        count_replicas(trainer.callbacks, ps.dp_size)
         self.components.each("configure", self._ctx)
         if not sharded:
             self.components.each("apply", module, self._ctx)

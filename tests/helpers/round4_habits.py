@@ -166,6 +166,24 @@ def lr_monitor_momentum(args, workdir):
     return {"losses": losses.losses, "rows": [{k: v for k, v in r.items() if v} for r in rows]}
 
 
+def throughput(args, workdir):
+    """``ThroughputMonitor``'s logged columns, and its global rate over one device's (the replicas counted)."""
+    import csv
+
+    from lightning.pytorch.callbacks import ThroughputMonitor
+    from lightning.pytorch.loggers import CSVLogger
+
+    monitor = ThroughputMonitor(batch_size_fn=lambda batch: batch["input_ids"].shape[0], window_size=2)
+    t = trainer(args, [monitor], max_steps=4, limit_val_batches=0, logger=CSVLogger(str(workdir)), log_every_n_steps=1)
+    t.fit(GPT(batch_size=8 // args.dp))
+    if t.global_rank != 0:
+        return {}
+    rows = [{k: float(v) for k, v in r.items() if v} for r in csv.DictReader(open(t.logger.experiment.metrics_file_path))]
+    last = [r for r in rows if "train/device/samples_per_sec" in r][-1]
+    ratio = last["train/samples_per_sec"] / last["train/device/samples_per_sec"] if "train/samples_per_sec" in last else None
+    return {"columns": sorted({k for r in rows for k in r if "/" in k}), "replicas": ratio, "samples": last["train/samples"]}
+
+
 def timer(args, workdir):
     from lightning.pytorch.callbacks import Timer
 
@@ -329,6 +347,7 @@ HABITS = {
     "predict-structure": predict_structure,
     "lr-monitor-momentum": lr_monitor_momentum,
     "timer": timer,
+    "throughput": throughput,
     "on-exception-checkpoint": on_exception_checkpoint,
     "pruning": pruning,
     "batch-size-finder": batch_size_finder,

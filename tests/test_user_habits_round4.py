@@ -6,7 +6,8 @@ One launch per layout of tests/scripts/habits_round4.py runs every habit one aft
 * Lightning's ``BoringModel`` and the README's ``LitAutoEncoder`` (``nn.Sequential`` MLPs, a
   DataModule with ``prepare_data``/``setup(stage)``): refused by name at tp2 without a plan and at
   pp2 (no layer stack); at tp2 with a plan the user writes, and at dp2, DDP's losses;
-* ``ModelSummary``: the whole model's counts on rank 0 (it printed a tp2 rank's half);
+* ``ModelSummary``: the whole model's counts on rank 0 (it printed a tp2 rank's half), also with an
+  ``example_input_array`` (a pp2 stage ran it alone and failed);
 * ``BasePredictionWriter`` (``write_on_epoch_end``, ``batch_indices``), ``predict(return_predictions=True)``
   of a dict per batch, and a ``loss.reshape(1)`` per batch (pp2 returned one per microbatch);
 * the user's ``torch.nn.utils.clip_grad_norm_(self.parameters(), ...)`` in ``on_before_optimizer_step``
@@ -31,7 +32,8 @@ TOL = 2e-4
 pytestmark = pytest.mark.slow
 
 SPLIT = ["summary", "predict-writer", "predict-structure", "manual-clip", "no-decay", "module-misc", "pruning",
-         "on-exception-checkpoint", "lr-monitor-momentum", "throughput", "batch-size-finder"]
+         "on-exception-checkpoint", "lr-monitor-momentum", "throughput", "batch-size-finder",
+         "summary-example-input"]
 DATA = ["boring", "autoencoder", "summary", "predict-writer", "manual-clip", "pruning", "on-exception-checkpoint", "throughput"]
 LAUNCHES = {  # layout: (processes, strategy arguments, habits)
     "ddp": (1, ["--strategy", "ddp"], SPLIT + ["autoencoder", "manual-clip-manual-optimization"]),
@@ -78,6 +80,9 @@ def test_lightning_demo_modules_without_a_layer_stack():
 def test_model_summary_counts_the_whole_model(layout):
     ours, ref = _pair(layout, "summary")
     assert ours["counts"] == ref["counts"] and ref["counts"]["total"] > 20000
+    if layout != "dp2":  # with example_input_array: the sizes run at tp2; a pp2 stage cannot run it alone ("?")
+        ours, ref = _pair(layout, "summary-example-input")
+        assert ours["counts"] == ref["counts"]
 
 
 @pytest.mark.parametrize("layout", ["tp2", "pp2", "dp2"])

@@ -215,7 +215,8 @@ class MegatronStrategy(LightningStepMethods, CheckpointMethods, ReplicaCollectiv
             counted = grad_counts_here(self._ctx)
             tp_rank = self._ctx.parallel_state.tp_rank
             summarize_whole_models(trainer.callbacks, counted=counted, group=self._ctx.parallel_state.mp_group,
-                                   replicated_here=lambda p: get_shard_spec(p) is not None or tp_rank == 0)
+                                   replicated_here=lambda p: get_shard_spec(p) is not None or tp_rank == 0,
+                                   staged=self.config.pp > 1)
 
     def configure_ddp(self) -> None:
         """No DistributedDataParallel wrapper: the gradient buffer does data parallelism."""

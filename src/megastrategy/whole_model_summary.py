@@ -7,7 +7,9 @@ parameters, and a user reads the table to check the model they built. The callba
 summary on every rank (only rank 0 prints), so the strategy gives it :class:`WholeModelSummary`,
 whose counts are summed over the model-parallel ranks: each shard once (a padded vocabulary's
 padding rows left out), a parameter replicated over tp once, the tied copy of an embedding that
-the last stage holds once in the total (its row still shows it, as one device's does).
+the last stage holds once in the total (its row still shows it, as one device's does). Under pp
+the summary does not run ``example_input_array`` through the model: a stage cannot run the whole
+forward alone (the in and out sizes show "?"); under tp every rank runs it, as the callback does.
 """
 from __future__ import annotations
 
@@ -37,9 +39,12 @@ class WholeModelSummary(ModelSummary):
             :func:`~megastrategy.ddp.component.grad_counts_here`).
         replicated_here: whether this rank adds a parameter to its layer's row (tp rank 0 for a
             parameter replicated over tp, every rank for a shard).
+        staged: the model is a pipeline stage (its example forward is skipped).
     """
 
-    def __init__(self, model: Any, max_depth: int, *, counted: Callable, replicated_here: Callable, group: Any) -> None:
+    def __init__(self, model: Any, max_depth: int, *, counted: Callable, replicated_here: Callable, group: Any,
+                 staged: bool = False) -> None:
+        self._staged = staged
         super().__init__(model, max_depth=max_depth)
         mine = {"rows": {name: _sum(layer._module.parameters(), replicated_here) for name, layer in self._layer_summary.items()},
                 "total": _sum(model.parameters(), counted),
@@ -49,6 +54,10 @@ class WholeModelSummary(ModelSummary):
         self._rows = {name: round(sum(r["rows"].get(name, 0.0) for r in every)) for name in mine["rows"]}
         self._total = round(sum(r["total"] for r in every))
         self._trainable = round(sum(r["trainable"] for r in every))
+
+    def _forward_example_input(self) -> None:
+        if not self._staged:
+            super()._forward_example_input()
 
     @property
     def param_nums(self) -> list[int]:
@@ -72,12 +81,13 @@ def _sum(params, counts: Callable) -> float:
     return total
 
 
-def summarize_whole_models(callbacks: list, *, counted: Callable, replicated_here: Callable, group: Any) -> None:
+def summarize_whole_models(callbacks: list, *, counted: Callable, replicated_here: Callable, group: Any,
+                           staged: bool) -> None:
     """Give every model-summary callback the whole model's counts (an instance attribute over its ``_summary``)."""
     for callback in callbacks:
         if isinstance(callback, SummaryCallback):
             def whole(trainer, pl_module, callback=callback):
                 return WholeModelSummary(pl_module, callback._max_depth, counted=counted, replicated_here=replicated_here,
-                                         group=group)
+                                         group=group, staged=staged)
 
             callback._summary = whole

@@ -117,11 +117,17 @@ class RecordedSummary(ModelSummary):
         return super().summarize(summary_data, total_parameters, trainable_parameters, model_size, total_training_modes, **kw)
 
 
-def summary(args, workdir):
-    summary_cb, losses = RecordedSummary(max_depth=1), StepLosses()
-    t = trainer(args, [summary_cb, losses], max_steps=2, limit_val_batches=0, enable_model_summary=True)
-    t.fit(GPT(batch_size=8 // args.dp))
-    return {"losses": losses.losses, "counts": getattr(summary_cb, "counts", None)}
+def _summary(example_input: bool):
+    def run(args, workdir):
+        """With ``example_input_array`` the summary also runs the model on it, for the in/out sizes."""
+        summary_cb, losses, module = RecordedSummary(max_depth=1), StepLosses(), GPT(batch_size=8 // args.dp)
+        if example_input:
+            module.example_input_array = torch.zeros(2, 8, dtype=torch.long)
+        t = trainer(args, [summary_cb, losses], max_steps=2, limit_val_batches=0, enable_model_summary=True)
+        t.fit(module)
+        return {"losses": losses.losses, "counts": getattr(summary_cb, "counts", None)}
+
+    return run
 
 
 class Writer(BasePredictionWriter):
@@ -342,7 +348,8 @@ HABITS = {
     "boring": boring,
     "autoencoder": _autoencoder(None),
     "autoencoder-plan": _autoencoder(AUTOENCODER_PLAN),
-    "summary": summary,
+    "summary": _summary(False),
+    "summary-example-input": _summary(True),
     "predict-writer": predict_writer,
     "predict-structure": predict_structure,
     "lr-monitor-momentum": lr_monitor_momentum,

@@ -31,8 +31,8 @@ from megastrategy.component_list import ComponentList
 from megastrategy.config import MegatronConfig, split_strategy_arguments
 from megastrategy.ddp.component import grad_counts_here
 from megastrategy.ddp.overlap_policy import resolve_overlap_grad_reduce
-from megastrategy.layers.shard_spec import get_shard_spec
 from megastrategy.ddp.user_clip import UserNormClipping, parameter_ids
+from megastrategy.layers.shard_spec import get_shard_spec
 from megastrategy.parallel_state import ParallelLayout, ParallelState
 from megastrategy.pipeline.frozen_stage import explain_empty_optimizer
 from megastrategy.pipeline.step_runner import StepRunner
@@ -167,7 +167,8 @@ class MegatronStrategy(LightningStepMethods, CheckpointMethods, ReplicaCollectiv
         assert self.accelerator is not None and self.model is not None
         self.accelerator.setup(trainer)
         module, ps = self.lightning_module, self._state()
-        refuse_callbacks(trainer.callbacks, self.config.tp, self.config.pp)
+        if trainer.state.fn == TrainerFn.FITTING:
+            refuse_callbacks(trainer.callbacks, self.config.tp, self.config.pp)
         sharded = getattr(module, "_megastrategy_sharded", False)
         if not sharded:
             broadcast_module_states(module, src=0)  # every rank starts from rank 0's weights

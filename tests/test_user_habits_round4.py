@@ -33,7 +33,7 @@ pytestmark = pytest.mark.slow
 
 SPLIT = ["summary", "predict-writer", "predict-structure", "manual-clip", "no-decay", "module-misc", "pruning",
          "on-exception-checkpoint", "lr-monitor-momentum", "throughput", "batch-size-finder",
-         "summary-example-input"]
+         "summary-example-input", "summary-rich"]
 DATA = ["boring", "autoencoder", "summary", "predict-writer", "manual-clip", "pruning", "on-exception-checkpoint", "throughput"]
 LAUNCHES = {  # layout: (processes, strategy arguments, habits)
     "ddp": (1, ["--strategy", "ddp"], SPLIT + ["autoencoder", "manual-clip-manual-optimization"]),
@@ -81,8 +81,9 @@ def test_model_summary_counts_the_whole_model(layout):
     ours, ref = _pair(layout, "summary")
     assert ours["counts"] == ref["counts"] and ref["counts"]["total"] > 20000
     if layout != "dp2":  # with example_input_array: the sizes run at tp2; a pp2 stage cannot run it alone ("?")
-        ours, ref = _pair(layout, "summary-example-input")
-        assert ours["counts"] == ref["counts"]
+        for habit in ("summary-example-input", "summary-rich"):
+            ours, ref = _pair(layout, habit)
+            assert ours["counts"] == ref["counts"]
 
 
 @pytest.mark.parametrize("layout", ["tp2", "pp2", "dp2"])

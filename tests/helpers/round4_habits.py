@@ -10,7 +10,7 @@ from __future__ import annotations
 import lightning as L
 import torch
 import torch.nn.functional as F
-from lightning.pytorch.callbacks import BasePredictionWriter, ModelSummary
+from lightning.pytorch.callbacks import BasePredictionWriter, ModelSummary, RichModelSummary
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
@@ -108,8 +108,8 @@ def autoencoder(args, plan):
 
 
 # ---------------------------------------------------------------- 2. callbacks
-class RecordedSummary(ModelSummary):
-    """``ModelSummary`` as rank 0 prints it; the counts kept for the report."""
+class _Recorded:
+    """A model-summary callback as rank 0 prints it; the counts kept for the report."""
 
     def summarize(self, summary_data, total_parameters, trainable_parameters, model_size, total_training_modes, **kw):
         self.counts = {"total": total_parameters, "trainable": trainable_parameters,
@@ -117,10 +117,18 @@ class RecordedSummary(ModelSummary):
         return super().summarize(summary_data, total_parameters, trainable_parameters, model_size, total_training_modes, **kw)
 
 
-def _summary(example_input: bool):
+class RecordedSummary(_Recorded, ModelSummary):
+    pass
+
+
+class RecordedRichSummary(_Recorded, RichModelSummary):
+    pass
+
+
+def _summary(example_input: bool, kind=RecordedSummary):
     def run(args, workdir):
         """With ``example_input_array`` the summary also runs the model on it, for the in/out sizes."""
-        summary_cb, losses, module = RecordedSummary(max_depth=1), StepLosses(), GPT(batch_size=8 // args.dp)
+        summary_cb, losses, module = kind(max_depth=1), StepLosses(), GPT(batch_size=8 // args.dp)
         if example_input:
             module.example_input_array = torch.zeros(2, 8, dtype=torch.long)
         t = trainer(args, [summary_cb, losses], max_steps=2, limit_val_batches=0, enable_model_summary=True)
@@ -350,6 +358,7 @@ HABITS = {
     "autoencoder-plan": _autoencoder(AUTOENCODER_PLAN),
     "summary": _summary(False),
     "summary-example-input": _summary(True),
+    "summary-rich": _summary(False, RecordedRichSummary),
     "predict-writer": predict_writer,
     "predict-structure": predict_structure,
     "lr-monitor-momentum": lr_monitor_momentum,

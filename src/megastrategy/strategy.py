@@ -24,15 +24,14 @@ from lightning.pytorch.trainer.states import TrainerFn
 from torch import nn
 
 from megastrategy import all_components as parts
+from megastrategy.callback_adapters import adapt_callbacks
 from megastrategy.callback_guard import refuse_callbacks
 from megastrategy.checkpoint.strategy_methods import CheckpointMethods
 from megastrategy.component import Component, Environment, SetupContext
 from megastrategy.component_list import ComponentList
 from megastrategy.config import MegatronConfig, split_strategy_arguments
-from megastrategy.ddp.component import grad_counts_here
 from megastrategy.ddp.overlap_policy import resolve_overlap_grad_reduce
 from megastrategy.ddp.user_clip import UserNormClipping, parameter_ids
-from megastrategy.layers.shard_spec import get_shard_spec
 from megastrategy.parallel_state import ParallelLayout, ParallelState
 from megastrategy.pipeline.frozen_stage import explain_empty_optimizer
 from megastrategy.pipeline.step_runner import StepRunner
@@ -42,8 +41,6 @@ from megastrategy.precision import adopt_precision_plugin
 from megastrategy.replica_collectives import ReplicaCollectives
 from megastrategy.replicas import broadcast_module_states, set_metric_process_group
 from megastrategy.signature import passthrough_arguments, signature_from
-from megastrategy.throughput_replicas import count_replicas
-from megastrategy.whole_model_summary import summarize_whole_models
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -176,7 +173,6 @@ class MegatronStrategy(LightningStepMethods, CheckpointMethods, ReplicaCollectiv
         if self._ctx is None or not sharded:
             self._ctx = SetupContext.create(self.config, ps, self.root_device, module)
         self._ctx.precision_plugin = self.precision_plugin
-        count_replicas(trainer.callbacks, ps.dp_size)
         self.components.each("configure", self._ctx)
         if not sharded:
             self.components.each("apply", module, self._ctx)
@@ -188,7 +184,7 @@ class MegatronStrategy(LightningStepMethods, CheckpointMethods, ReplicaCollectiv
         self.model_to_device()
         if trainer.state.fn == TrainerFn.FITTING:
             self._setup_gradients(trainer, module)
-            self._summarize_whole_model(trainer)
+        adapt_callbacks(trainer.callbacks, self._ctx, fitting=trainer.state.fn == TrainerFn.FITTING)
         self.setup_precision_plugin()
         adopt_precision_plugin(self.precision_plugin, clip_norm=self.grad_buffers.clip_grad_norm,
                                clip_value=self.grad_buffers.clip_grad_value, grads_visible=self.grad_buffers.grads_visible,
@@ -209,15 +205,6 @@ class MegatronStrategy(LightningStepMethods, CheckpointMethods, ReplicaCollectiv
             explain_empty_optimizer(module, self._ctx.stage, error)
             raise
         self.optimizers = self.components.chain("wrap_optimizers", self.optimizers)
-
-    def _summarize_whole_model(self, trainer: "pl.Trainer") -> None:
-        """Model-summary callbacks count the whole model, not this rank's shards and stage."""
-        if self.config.tp * self.config.pp > 1:
-            counted = grad_counts_here(self._ctx)
-            tp_rank = self._ctx.parallel_state.tp_rank
-            summarize_whole_models(trainer.callbacks, counted=counted, group=self._ctx.parallel_state.mp_group,
-                                   replicated_here=lambda p: get_shard_spec(p) is not None or tp_rank == 0,
-                                   staged=self.config.pp > 1)
 
     def configure_ddp(self) -> None:
         """No DistributedDataParallel wrapper: the gradient buffer does data parallelism."""

@@ -1,0 +1,206 @@
+"""Probe (offline tool, not a CI test): every encoder / classifier / vision / seq2seq architecture
+transformers knows, at tp=2 and at pp=2, against one device.
+
+Why: users try architectures this repo never ran. Each must either match one device (per-step losses
+within 2e-4) or be refused in setup with a clear MegatronConfigError; a crash with an unclear error,
+a hang, or silently different losses is a bug. This finds them.
+
+Models: the sequence classifiers that are not causal LMs, the masked LMs, the image classifiers and
+the seq2seq LMs of transformers' task mappings, each from a generic tiny config
+(tests/helpers/tiny_configs.py). The runner is tests/scripts/hf_matrix.py (many models per launch,
+``--keep-going``) with the model built here instead of from the zoo. Steps: the one-process reference
+(``--strategy ddp``, 1 process) -- a model whose config or one-process run fails is skipped (not our
+bug) -- then ``--tp 2`` and ``--pp 2`` on 2 processes. Every launch is watched: a model that makes no
+progress for ``--stall`` seconds is recorded as a hang, and the launch restarts after it.
+
+    python tests/scripts/hf_sweep_tasks.py --table /work/notes/sweep_enc.md [--only bert:mlm,vit:img]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+TOL = 2e-4
+#: task of the runner -> transformers' mapping of model type -> model class
+_MAPPINGS = {"cls": "MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES", "mlm": "MODEL_FOR_MASKED_LM_MAPPING_NAMES",
+             "img": "MODEL_FOR_IMAGE_CLASSIFICATION_MAPPING_NAMES", "s2s": "MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES"}
+
+
+def _mapping(task: str) -> dict:
+    import transformers.models.auto.modeling_auto as auto
+
+    return getattr(auto, _MAPPINGS[task])
+
+
+def all_models() -> list[str]:
+    """``arch:task`` for every architecture of the four mappings (sequence classifiers: not causal LMs)."""
+    import transformers.models.auto.modeling_auto as auto
+
+    causal = auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+    out = [f"{a}:cls" for a in _mapping("cls") if a not in causal]
+    return out + [f"{a}:{t}" for t in ("mlm", "img", "s2s") for a in _mapping(t)]
+
+
+def build_model(arch: str, task: str):
+    """The task's model class of ``arch`` from the generic tiny config; 3 labels for classifiers."""
+    import warnings
+
+    import transformers
+
+    from tests.helpers.tiny_configs import model_class, tiny_config
+
+    transformers.logging.set_verbosity_error()
+    config = tiny_config(arch)
+    if task in ("cls", "img"):
+        config.num_labels = 3
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return model_class(_mapping(task)[arch])(config)
+
+
+def worker(argv: list[str]) -> None:
+    """One rank: hf_matrix.py's runner with ``build_model`` in place of the zoo."""
+    import lightning as L
+
+    from tests.scripts import hf_matrix
+
+    class SweepModule(hf_matrix.HFModule):
+        def __init__(self, arch: str, task: str):
+            L.LightningModule.__init__(self)
+            self.task = task
+            self.model = build_model(arch, task)
+
+    hf_matrix.HFModule = SweepModule
+    sys.argv = [sys.argv[0], *argv, "--keep-going"]
+    hf_matrix.main()
+
+
+# ----------------------------------------------------------------------------------------------- driver
+def _launch(models: list[str], nprocs: int, extra: list[str], stall: float) -> dict:
+    """Run ``models`` in one launch (restarting after a model that stalls); result per model."""
+    from tests.helpers.launch import REPO
+    from tests.helpers.dist import free_port
+    from tests.helpers.warm_start import ScriptProcess
+
+    results, todo = {}, list(models)
+    while todo:
+        out = Path(tempfile.mkdtemp(prefix="sweep-")) / "r.json"
+        env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), WORLD_SIZE=str(nprocs),
+                   NODE_RANK="0", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",
+                   PYTHONPATH=os.pathsep.join([str(REPO), str(REPO / "src")]))
+        logs = [tempfile.NamedTemporaryFile(mode="w+", prefix=f"sweep-rank{r}-") for r in range(nprocs)]
+        args = ["--worker", "--out", str(out), "--models", ",".join(todo), *extra]
+        procs = [ScriptProcess(__file__, args, env=dict(env, RANK=str(r), LOCAL_RANK=str(r)), cwd=str(REPO),
+                               log_path=logs[r].name) for r in range(nprocs)]
+        done, last = 0, time.monotonic()
+        while any(p.poll() is None for p in procs) and time.monotonic() - last < stall:
+            time.sleep(0.5)
+            now = len(json.loads(out.read_text())) if out.exists() else 0
+            if now > done:
+                done, last = now, time.monotonic()
+            if any(p.poll() not in (None, 0) for p in procs):
+                time.sleep(2)
+                break
+        hung = any(p.poll() is None for p in procs)
+        for p in procs:
+            p.kill()
+            p.wait()
+        got = json.loads(out.read_text()) if out.exists() else {}
+        results.update(got)
+        todo = [m for m in todo if m not in got]
+        if todo:  # the first model without a result stopped the launch
+            logs[0].seek(0)
+            tail = logs[0].read()[-1500:]
+            results[todo[0]] = {"hang" if hung else "crash": (f"no progress in {stall:.0f}s" if hung else "rank died")
+                                + " | " + tail}
+            todo = todo[1:]
+        print(f"  launch {extra or 'ref'}: {len(results)}/{len(models)}", flush=True)
+    return results
+
+
+def _batches(models: list[str], size: int):
+    for i in range(0, len(models), size):
+        yield models[i:i + size]
+
+
+def run_layout(models: list[str], nprocs: int, extra: list[str], stall: float, size: int) -> dict:
+    out = {}
+    for batch in _batches(models, size):
+        out.update(_launch(batch, nprocs, extra, stall))
+    return out
+
+
+def classify(ref: dict, got: dict) -> tuple[str, str]:
+    """match / refused / crash / hang / MISMATCH, with the message or the worst difference."""
+    if "error" in got:
+        return "refused", got["error"]
+    if "crash" in got or "hang" in got:
+        return ("crash", got["crash"]) if "crash" in got else ("hang", got["hang"])
+    pairs = list(zip(got["loss"] + [got["val_loss"]], ref["loss"] + [ref["val_loss"]]))
+    worst = max(abs(a - b) for a, b in pairs) if len(got["loss"]) == len(ref["loss"]) else float("inf")
+    return ("match" if worst <= TOL else "MISMATCH"), f"{worst:.2e} {','.join(got.get('sources') or [])}"
+
+
+def _one_line(text: str, n: int = 300) -> str:
+    return " ".join(str(text).split())[:n].replace("|", "/")
+
+
+def write_table(path: Path, ref: dict, layouts: dict) -> None:
+    skipped = {m: r for m, r in ref.items() if "loss" not in r}
+    lines = ["# Sweep: encoders / classifiers / vision / seq2seq at tp2 and pp2", "",
+             f"Reference (1 process) trained {len(ref) - len(skipped)}, skipped {len(skipped)} (tiny config or "
+             "one-process run fails: not ours).", ""]
+    table = {name: {m: classify(ref[m], r) for m, r in res.items()} for name, res in layouts.items()}
+    for name, rows in table.items():
+        counts = {}
+        for kind, _ in rows.values():
+            counts[kind] = counts.get(kind, 0) + 1
+        lines.append(f"- {name}: " + ", ".join(f"{k} {v}" for k, v in sorted(counts.items())))
+    lines += ["", "| model | " + " | ".join(table) + " |", "|---|" + "---|" * len(table)]
+    for m in sorted({m for rows in table.values() for m in rows}):
+        cells = [f"{rows[m][0]}: {_one_line(rows[m][1], 160)}" if m in rows else "" for rows in table.values()]
+        lines.append(f"| {m} | " + " | ".join(cells) + " |")
+    lines += ["", "## Skipped (reference fails)", ""]
+    lines += [f"- {m}: {_one_line(r.get('crash') or r.get('hang') or r.get('error'), 200)}" for m, r in sorted(skipped.items())]
+    path.write_text("\n".join(lines) + "\n")
+
+
+def main() -> None:
+    if "--worker" in sys.argv:
+        return worker([a for a in sys.argv[1:] if a != "--worker"])
+    p = argparse.ArgumentParser()
+    p.add_argument("--table", required=True, help="markdown file for the classified table")
+    p.add_argument("--json", help="keep the raw results here (and reuse the reference found there)")
+    p.add_argument("--only", help="comma-separated arch:task (default: every model of the four mappings)")
+    p.add_argument("--layouts", default="tp2,pp2")
+    p.add_argument("--batch", type=int, default=20)
+    p.add_argument("--stall", type=float, default=120)
+    a = p.parse_args()
+    models = a.only.split(",") if a.only else all_models()
+    raw = json.loads(Path(a.json).read_text()) if a.json and Path(a.json).exists() else {}
+    ref = {m: r for m, r in raw.get("ref", {}).items() if m in models}
+    missing = [m for m in models if m not in ref]
+    ref.update(run_layout(missing, 1, ["--strategy", "ddp"], a.stall, a.batch) if missing else {})
+    good = [m for m in models if "loss" in ref[m]]
+    layouts = {}
+    for name in a.layouts.split(","):
+        flag = ["--tp", "2"] if name == "tp2" else ["--pp", "2"]
+        layouts[name] = run_layout(good, 2, ["--strategy", "megatron", *flag], a.stall, a.batch)
+        if a.json:
+            Path(a.json).write_text(json.dumps({"ref": {**raw.get("ref", {}), **ref}, **layouts}, indent=1))
+        write_table(Path(a.table), ref, layouts)
+
+
+if __name__ == "__main__":
+    main()
+    from tests.helpers.script_args import leave_without_static_destructors
+
+    leave_without_static_destructors()

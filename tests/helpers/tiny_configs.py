@@ -17,14 +17,16 @@ VOCAB = 128
 _SIZES = {
     **dict.fromkeys(("hidden_size", "d_model", "n_embd", "dim", "word_embed_proj_dim"), 32),
     **dict.fromkeys(("intermediate_size", "encoder_ffn_dim", "decoder_ffn_dim", "d_ff", "ffn_dim", "n_inner",
-                     "hidden_dim", "decoder_intermediate_size", "mlp_dim"), 64),
+                     "hidden_dim", "decoder_intermediate_size", "mlp_dim", "d_inner"), 64),
     **dict.fromkeys(("num_hidden_layers", "num_layers", "encoder_layers", "decoder_layers", "n_layers", "n_layer",
                      "num_decoder_layers", "num_encoder_layers"), 2),
     **dict.fromkeys(("num_attention_heads", "encoder_attention_heads", "decoder_attention_heads", "n_heads",
                      "n_head", "num_key_value_heads", "encoder_num_attention_heads"), 4),
-    **dict.fromkeys(("head_dim", "d_kv", "attention_head_size"), 8),
-    **dict.fromkeys(("embedding_size", "embed_dim", "projection_dim", "classifier_proj_size"), 32),
-    "vocab_size": VOCAB, "max_position_embeddings": 64, "n_positions": 64, "max_seq_len": 64,
+    **dict.fromkeys(("head_dim", "d_kv", "attention_head_size", "d_head"), 8),
+    **dict.fromkeys(("embedding_size", "embed_dim", "emb_dim", "projection_dim", "classifier_proj_size"), 32),
+    **dict.fromkeys(("entity_vocab_size", "pronunciation_vocab_size", "shape_vocab_size"), 16),
+    **dict.fromkeys(("num_experts", "n_routed_experts", "num_local_experts"), 4), "moe_intermediate_size": 16,
+    "entity_emb_size": 32, "d_latents": 32, "num_latents": 16, "vocab_size": VOCAB, "max_position_embeddings": 64, "n_positions": 64, "max_seq_len": 64,
     "image_size": 16, "patch_size": 4, "num_channels": 3,
     "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2, "decoder_start_token_id": 2,
 }
@@ -48,8 +50,9 @@ def _stage_lists(defaults: dict) -> dict:
             continue
         make = _STAGES.get(name)
         out[name] = [make(i) for i in range(_STAGE_COUNT)] if make else list(value[:_STAGE_COUNT])
-    if stages is not None and "num_stages" in defaults:
-        out["num_stages"] = _STAGE_COUNT
+    for name in ("num_stages", "num_encoder_blocks"):
+        if stages is not None and name in defaults:
+            out[name] = _STAGE_COUNT
     return out
 
 
@@ -57,6 +60,10 @@ def shrunk_kwargs(defaults: dict) -> dict:
     """The overrides for one config's defaults (its ``to_dict()``)."""
     out = {k: v for k, v in _SIZES.items() if k in defaults and not isinstance(defaults[k], (list, dict))}
     out.update({k: 0.0 for k, v in defaults.items() if _is_dropout(k, v)})
+    if isinstance(defaults.get("block_sizes"), (list, tuple)):  # Funnel: blocks of layers
+        out["block_sizes"] = [1] * len(defaults["block_sizes"])
+    if isinstance(defaults.get("layer_types"), (list, tuple)):  # one entry per layer, 2 layers
+        out["layer_types"] = list(defaults["layer_types"][:2])
     if isinstance(defaults.get("window_size"), int):
         out["window_size"] = 2
     out.update(_stage_lists(defaults))

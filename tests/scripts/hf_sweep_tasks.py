@@ -87,7 +87,8 @@ def worker(argv: list[str]) -> None:
         i = argv.index("--microbatches")
         _fix_microbatches(int(argv[i + 1]))
         argv = argv[:i] + argv[i + 2:]
-    sys.argv = [sys.argv[0], *argv, "--keep-going"]
+    keep_going = [] if os.environ.get("SWEEP_RAISE") else ["--keep-going"]  # SWEEP_RAISE=1: see the traceback
+    sys.argv = [sys.argv[0], *argv, *keep_going]
     hf_matrix.main()
 
 
@@ -164,6 +165,11 @@ def run_layout(models: list[str], nprocs: int, extra: list[str], stall: float, s
     return out
 
 
+#: layout name -> runner flags; pp2mb1: one microbatch, for losses averaged over a data-dependent token
+#: count (MLM), which pp averages per microbatch as gradient accumulation does (README, "Microbatches under pp")
+_LAYOUTS = {"tp2": ["--tp", "2"], "pp2": ["--pp", "2"], "pp2mb1": ["--pp", "2", "--microbatches", "1"]}
+
+
 def classify(ref: dict, got: dict) -> tuple[str, str]:
     """match / refused / crash / hang / MISMATCH, with the message or the worst difference."""
     if "error" in got:
@@ -218,11 +224,13 @@ def main() -> None:
     good = [m for m in models if "loss" in ref[m]]
     layouts = {}
     for name in a.layouts.split(","):
-        flag = ["--tp", "2"] if name == "tp2" else ["--pp", "2"]
-        layouts[name] = run_layout(good, 2, ["--strategy", "megatron", *flag], a.stall, a.batch)
+        flag = _LAYOUTS[name]
+        new = run_layout(good, 2, ["--strategy", "megatron", *flag], a.stall, a.batch)
+        raw[name] = {**raw.get(name, {}), **new}  # a rerun of some models replaces only their rows
+        raw["ref"] = {**raw.get("ref", {}), **ref}
         if a.json:
-            Path(a.json).write_text(json.dumps({"ref": {**raw.get("ref", {}), **ref}, **layouts}, indent=1))
-        write_table(Path(a.table), ref, layouts)
+            Path(a.json).write_text(json.dumps(raw, indent=1))
+        write_table(Path(a.table), raw["ref"], {k: v for k, v in raw.items() if k != "ref"})
 
 
 if __name__ == "__main__":

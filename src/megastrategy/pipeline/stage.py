@@ -231,7 +231,7 @@ class Unreachable(nn.Module):
         except AttributeError:
             pass
         raise UnreachableAttributeError(
-            f"the forward reads {self._name}.{attr} directly (without calling {self._name}) on a pipeline stage "
+            f"the forward reads {self._name}{'' if attr.startswith('[') else '.'}{attr} directly (without calling {self._name}) on a pipeline stage "
             f"that does not own it; pipeline stages place a module by where the forward calls it, so a module "
             "whose parameters every layer reads (shared relative-position embeddings, as in DeBERTa-v2) cannot be "
             "split across stages. Use pp=1 (tensor or data parallelism work), or call the module instead of "
@@ -240,6 +240,13 @@ class Unreachable(nn.Module):
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         raise MegatronConfigError(misplaced_call(self._name, "after", self._by_registration))
+
+    def _indexed(self, *_: Any) -> Any:
+        """Indexing or iterating a container (a ModuleList of heads, MarkupLM's and PoolFormer's) this
+        stage does not own: refused like an attribute read, not a bare TypeError."""
+        return self.__getattr__("[...]")
+
+    __getitem__ = __iter__ = __len__ = _indexed
 
 
 def misplaced_call(name: str, placed: str, by_registration: bool) -> str:

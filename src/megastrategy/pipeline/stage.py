@@ -155,6 +155,8 @@ class MetaStandIn(MetaAttributes, nn.Module):
             try:
                 with torch.no_grad():
                     out = self._meta[0](*tree_map(to_meta, args), **tree_map(to_meta, kwargs))
+            except (RuntimeError, NotImplementedError) as exc:
+                raise MegatronConfigError(_no_meta_run(self._name, self._meta[0], exc)) from exc
             finally:
                 self._running = False
             if key is not None:
@@ -167,6 +169,15 @@ class MetaStandIn(MetaAttributes, nn.Module):
     def _zeros(self, like: torch.Tensor, device: Optional[torch.device], marked: bool) -> torch.Tensor:
         zeros = torch.zeros(like.shape, dtype=like.dtype, device=device)
         return mark(zeros, [self._name]) if marked else zeros
+
+
+def _no_meta_run(name: str, module: nn.Module, exc: Exception) -> str:
+    """Why a module before the stack cannot be stood in for (I-BERT's quantized embeddings read values)."""
+    first = (str(exc).strip().splitlines() or ["(no message)"])[0]
+    return (f"{name} ({type(module).__name__}) runs before the pipeline layer stack; the stages after the first "
+            f"compute only the shape of its output, on the meta device (no values), and its forward needs values "
+            f"there ({type(exc).__name__}: {first}). Use pp=1 for this model (tensor, context and data parallelism "
+            f"work), or keep what reads values (.item(), asserts on data) out of the modules before the stack.")
 
 
 class _NotFlat(Exception):

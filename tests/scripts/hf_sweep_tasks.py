@@ -136,13 +136,25 @@ def _launch(models: list[str], nprocs: int, extra: list[str], stall: float) -> d
         results.update(got)
         todo = [m for m in todo if m not in got]
         if todo:  # the first model without a result stopped the launch
-            logs[0].seek(0)
-            tail = logs[0].read()[-1500:]
-            results[todo[0]] = {"hang" if hung else "crash": (f"no progress in {stall:.0f}s" if hung else "rank died")
-                                + " | " + tail}
+            results[todo[0]] = _why_stopped(logs, hung, stall)
             todo = todo[1:]
         print(f"  launch {extra or 'ref'}: {len(results)}/{len(models)}", flush=True)
     return results
+
+
+def _why_stopped(logs: list, hung: bool, stall: float) -> dict:
+    """A launch that stopped: the fault handler's line ("stopping rank 0 ... because rank 1 failed ...:
+    MegatronConfigError: ...") is a refusal raised in the first step on another rank; else a crash/hang."""
+    texts = []
+    for log in logs:
+        log.seek(0)
+        texts.append(log.read())
+    stop = next((line for t in texts for line in t.splitlines() if "[megastrategy] stopping rank" in line), "")
+    if "MegatronConfigError: " in stop:
+        return {"error": "(in the first step) " + stop.split("MegatronConfigError: ", 1)[1]}
+    if hung:
+        return {"hang": f"no progress in {stall:.0f}s | {stop or texts[0][-1500:]}"}
+    return {"crash": f"rank died | {stop or texts[0][-1500:]}"}
 
 
 def _read(path: Path) -> dict:

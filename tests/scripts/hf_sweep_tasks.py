@@ -142,6 +142,10 @@ def _launch(models: list[str], nprocs: int, extra: list[str], stall: float) -> d
     return results
 
 
+#: the strategy's refusals (MegatronConfigError and its subclasses) as the fault handler names them
+_REFUSALS = ("MegatronConfigError", "UnreachableAttributeError")
+
+
 def _why_stopped(logs: list, hung: bool, stall: float) -> dict:
     """A launch that stopped: the fault handler's line ("stopping rank 0 ... because rank 1 failed ...:
     MegatronConfigError: ...") is a refusal raised in the first step on another rank; else a crash/hang."""
@@ -150,8 +154,9 @@ def _why_stopped(logs: list, hung: bool, stall: float) -> dict:
         log.seek(0)
         texts.append(log.read())
     stop = next((line for t in texts for line in t.splitlines() if "[megastrategy] stopping rank" in line), "")
-    if "MegatronConfigError: " in stop:
-        return {"error": "(in the first step) " + stop.split("MegatronConfigError: ", 1)[1]}
+    for refusal in _REFUSALS:
+        if f"{refusal}: " in stop:
+            return {"error": "(in the first step) " + stop.split(f"{refusal}: ", 1)[1]}
     if hung:
         return {"hang": f"no progress in {stall:.0f}s | {stop or texts[0][-1500:]}"}
     return {"crash": f"rank died | {stop or texts[0][-1500:]}"}

@@ -153,13 +153,14 @@ def _why_stopped(logs: list, hung: bool, stall: float) -> dict:
     for log in logs:
         log.seek(0)
         texts.append(log.read())
-    stop = next((line for t in texts for line in t.splitlines() if "[megastrategy] stopping rank" in line), "")
+    stops = [line for t in texts for line in t.splitlines() if "[megastrategy] stopping rank" in line]
+    stop = stops[-1] if stops else ""
     for refusal in _REFUSALS:
         if f"{refusal}: " in stop:
-            return {"error": "(in the first step) " + stop.split(f"{refusal}: ", 1)[1]}
+            return {"error": "(in the first step) " + stop.split(f"{refusal}: ", 1)[1], "stopped": True}
     if hung:
-        return {"hang": f"no progress in {stall:.0f}s | {stop or texts[0][-1500:]}"}
-    return {"crash": f"rank died | {stop or texts[0][-1500:]}"}
+        return {"hang": f"no progress in {stall:.0f}s | {stop or texts[0][-1500:]}", "stopped": True}
+    return {"crash": f"rank died | {stop or texts[0][-1500:]}", "stopped": True}
 
 
 def _read(path: Path) -> dict:
@@ -176,9 +177,16 @@ def _batches(models: list[str], size: int):
 
 
 def run_layout(models: list[str], nprocs: int, extra: list[str], stall: float, size: int) -> dict:
+    """Results per model. A model that stopped a shared launch is run again alone: after a refusal in
+    the first step a launch can leave the next model desynchronised, and the log line may be the earlier one's."""
     out = {}
     for batch in _batches(models, size):
         out.update(_launch(batch, nprocs, extra, stall))
+    again = [m for m, r in out.items() if r.pop("stopped", False)] if size > 1 else []
+    for model in again:
+        out.update(_launch([model], nprocs, extra, stall))
+    for r in out.values():
+        r.pop("stopped", None)
     return out
 
 

@@ -91,3 +91,14 @@ def test_blocks_in_a_sequential_are_the_stack_only_when_no_list_holds_blocks():
     assert find_layer_stack(model) == ("blocks", model.blocks)
     model.layers = nn.ModuleList([Block(), Block()])
     assert find_layer_stack(model)[0] == "layers"
+
+
+def test_a_multimodal_model_uses_the_plan_of_its_text_model_not_the_first_tower():
+    """Voxtral declares no pp plan itself; its audio tower's layers came first and were cut into stages
+    while a text-only batch never runs them (the step crashed in get_input_embeddings). The text model's
+    own base_model_pp_plan names the stack."""
+    from tests.helpers.tiny_configs import tiny_config
+
+    model = transformers.VoxtralForConditionalGeneration(tiny_config("voxtral"))
+    assert pp_plan_stack(model) == "model.language_model.layers"
+    assert find_layer_stack(model)[0] == "model.language_model.layers"

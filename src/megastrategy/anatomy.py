@@ -50,14 +50,29 @@ def pp_plan_stack(module: nn.Module) -> Optional[str]:
     child that is an ``nn.ModuleList`` is the stack of blocks (``"layers"`` for Llama).
     """
     hf_path, hf = find_hf_model(module)
-    plan = getattr(getattr(hf, "config", None), "base_model_pp_plan", None) if hf is not None else None
+    if hf is None:
+        return None
+    found = _plan_stack(hf)
+    if found is None:  # a multimodal model declares it on its text model (Voxtral, Qwen2-Audio)
+        nested = {_plan_stack(m, name) for name, m in hf.named_modules() if name and _declares_pp_plan(m)} - {None}
+        found = nested.pop() if len(nested) == 1 else None
+    return ".".join(p for p in (hf_path, found) if p) if found is not None else None
+
+
+def _declares_pp_plan(m: nn.Module) -> bool:
+    return bool(getattr(getattr(m, "config", None), "base_model_pp_plan", None)) and hasattr(m, "base_model")
+
+
+def _plan_stack(hf: nn.Module, prefix: str = "") -> Optional[str]:
+    """The stack ``hf``'s own config's ``base_model_pp_plan`` names, as a path under ``prefix``."""
+    plan = getattr(getattr(hf, "config", None), "base_model_pp_plan", None)
     if not plan:
         return None
     base = getattr(hf, "base_model", hf)
     base_path = next((name for name, m in hf.named_modules() if m is base), "")
     for child in plan:
         if isinstance(getattr(base, child, None), nn.ModuleList) and len(getattr(base, child)) > 0:
-            return ".".join(p for p in (hf_path, base_path, child) if p)
+            return ".".join(p for p in (prefix, base_path, child) if p)
     return None
 
 

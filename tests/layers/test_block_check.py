@@ -118,3 +118,15 @@ def test_a_model_that_cannot_run_on_token_ids_alone_is_reported_unverified(caplo
         assert capture_blocks(model, plan) == []
     assert "model.layers.0.self_attn" in caplog.text and "are not verified" in caplog.text
     assert "pixel_values are required" in caplog.text
+
+
+def test_hidden_states_passed_under_another_keyword_are_the_input_whose_gradient_is_compared():
+    """FSMT's attention takes ``query=``, Pegasus-X's blocks other names: the first floating keyword
+    is the hidden state (setup crashed with KeyError: 'hidden_states')."""
+    import torch
+
+    from megastrategy.layers.block_check import _hidden_input
+
+    query, mask = torch.randn(2, 3), torch.ones(2, 3, dtype=torch.bool)
+    args, kwargs, leaf = _hidden_input((), {"key_padding_mask": mask, "query": query})
+    assert leaf.requires_grad and kwargs["query"] is leaf and torch.equal(leaf, query) and kwargs["key_padding_mask"] is mask

@@ -56,3 +56,18 @@ def test_encoder_head_count_must_divide_tp():
     with pytest.raises(MegatronConfigError, match=r"tp=3 does not divide num_attention_heads=4 of "
                                                   r"roberta\.encoder\.layer\.0\.attention\.self"):
         resolve_tp_plan(tiny_model("roberta"), None, 3)
+
+
+def test_bert_shaped_blocks_under_other_class_names_are_recognized_by_their_layout():
+    """ERNIE, RoFormer, ESM, ... lay their blocks out as BERT does; the sweep found them refused
+    ('no known block'). Swin's attention, with its per-head relative position bias, is left to
+    structural detection."""
+    from megastrategy.layers.builtin_plans import detect_builtin_plan
+    from tests.helpers.tiny_configs import tiny_config
+    import transformers
+
+    ernie = transformers.ErnieForMaskedLM(tiny_config("ernie"))
+    kinds = {(u.arch, u.kind) for u in detect_builtin_plan(ernie).units}
+    assert kinds == {("ernie", "attention"), ("ernie", "mlp")}
+    swin = transformers.SwinForImageClassification(tiny_config("swin"))
+    assert {u.origin for u in detect_builtin_plan(swin).units if u.arch == "swin"} == {"structural"}

@@ -99,7 +99,16 @@ def _hf_root(module: nn.Module, name: str) -> tuple[str, nn.Module] | None:
     return None
 
 
+def _is_cache(value: Any) -> bool:
+    """A key/value cache object (transformers' ``Cache`` family) under any argument name: Flaubert/XLM
+    call theirs ``cache``. Handing the capture run's cache to the block check would let each call append
+    to it, so the reference and the sharded call would see different key lengths."""
+    return any(c.__name__.endswith("Cache") for c in type(value).__mro__[:-1])
+
+
 def _detached(tree: Any) -> Any:
+    if _is_cache(tree):
+        return None
     if isinstance(tree, torch.Tensor):
         return tree.detach().clone()
     if isinstance(tree, tuple) and not hasattr(tree, "_fields"):

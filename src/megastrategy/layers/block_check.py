@@ -12,6 +12,7 @@ every rank, naming the block.
 """
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import torch
@@ -21,6 +22,9 @@ from megastrategy.errors import MegatronConfigError
 from megastrategy.layers.block_capture import SEED, CapturedBlock
 from megastrategy.layers.mappings import all_reduce
 from megastrategy.layers.plan.module_names import globify
+from megastrategy.rank_zero import log_on_rank_zero
+
+_log = logging.getLogger(__name__)
 
 __all__ = ["verify_sharded_blocks", "TOLERANCE", "tolerance_for"]
 
@@ -46,17 +50,25 @@ def _float_leaves(tree: Any) -> list[Tensor]:
 
 
 def _hidden_input(args: tuple, kwargs: dict) -> tuple[tuple, dict, Tensor]:
-    """A copy of the inputs whose hidden states (the first floating tensor, positionally or as
-    ``hidden_states``) require grad. Other floating inputs (rotary tables, masks) are computed
-    from buffers in the model and carry no gradient, so they are treated as constants."""
+    """A copy of the inputs whose hidden states (the first floating tensor, positionally, else as
+    ``hidden_states``, else the first floating keyword: FSMT's ``query=``, Pegasus-X's) require grad.
+    Other floating inputs (rotary tables, masks) are computed from buffers in the model and carry no
+    gradient, so they are treated as constants."""
     args, kwargs = list(args), dict(kwargs)
     for i, a in enumerate(args):
-        if isinstance(a, Tensor) and a.is_floating_point():
+        if _floating(a):
             args[i] = leaf = a.detach().clone().requires_grad_(True)
             return tuple(args), kwargs, leaf
-    leaf = kwargs["hidden_states"].detach().clone().requires_grad_(True)
-    kwargs["hidden_states"] = leaf
+    floating = [k for k, v in kwargs.items() if _floating(v)]
+    key = "hidden_states" if "hidden_states" in floating else floating[0] if floating else None
+    if key is None:
+        raise ValueError("the block received no floating-point tensor to take as its hidden states")
+    leaf = kwargs[key] = kwargs[key].detach().clone().requires_grad_(True)
     return tuple(args), kwargs, leaf
+
+
+def _floating(value: Any) -> bool:
+    return isinstance(value, Tensor) and value.is_floating_point()
 
 
 def _forward_backward(block: nn.Module, cap: CapturedBlock):
@@ -124,7 +136,11 @@ def _check_block(module: nn.Module, cap: CapturedBlock, group) -> str | None:
     sharded.eval()
     cap.reference.eval()
     try:
-        want_out, want_in, want_params = _forward_backward(cap.reference, cap)
+        try:
+            want_out, want_in, want_params = _forward_backward(cap.reference, cap)
+        except Exception as exc:  # noqa: BLE001 - the same on every rank: no collective is skipped unevenly
+            _unverified(cap.name, exc)
+            return None
         try:
             got_out, got_in, got_params = _forward_backward(sharded, cap)
         except Exception as exc:  # noqa: BLE001 - a wrong plan often fails on shapes: report it
@@ -139,6 +155,14 @@ def _check_block(module: nn.Module, cap: CapturedBlock, group) -> str | None:
     tol = tolerance_for(want_out.dtype)
     bad = sorted((e for e in errors if not e[1] <= tol), key=lambda e: -e[1])
     return ", ".join(f"{what} (relative error {err:.3g})" for what, err in bad[:3]) or None
+
+
+def _unverified(name: str, exc: Exception) -> None:
+    """The unsharded block cannot run on the captured inputs (the capture could not reproduce what
+    its forward needs): it stays unverified, as a block whose model needs other inputs does."""
+    log_on_rank_zero(_log, logging.WARNING, (
+        f"megastrategy: the sharded block {name} is not verified against its unsharded original: the original "
+        f"raised {type(exc).__name__}: {_first_line(exc)} on the inputs captured for it"))
 
 
 def verify_sharded_blocks(module: nn.Module, captured: list[CapturedBlock], group, tp: int) -> None:

@@ -153,9 +153,45 @@ def _output_head(name: str, m: nn.Module) -> BuiltinUnit | None:
     return BuiltinUnit(family.lower(), "lm_head", parent_name(full), [(full, "vocab", {})])
 
 
+def _bert_shaped_by_structure(m: nn.Module) -> BlockSpec | None:
+    """A block laid out as BERT's under another class name (ERNIE, RoFormer, LayoutLM, ESM, TAPAS,
+    MegatronBERT, ...: the sweep found two dozen): the attention's ``self.query/key/value`` and
+    ``output.dense`` linear with ``num_attention_heads``/``all_head_size`` on ``self``, or a layer's
+    ``intermediate.dense`` and ``output.dense`` beside such an attention. Embeddings stay whole (a head
+    tied to them may not be a vocab head). The block check verifies each against its original, so a
+    clone whose forward also reads the full sizes elsewhere is refused, not trained wrong."""
+    attn = ("self.query", "self.key", "self.value", "output.dense")
+    if all(is_linear_layer(child(m, p)) for p in attn):
+        own = child(m, "self")
+        if _plain(own) and all(isinstance(int_attr(own, a), int) for a in ("num_attention_heads", "all_head_size")):
+            return _bert_shaped(_prefix(m, "Attention"))[0]
+    inner = getattr(m, "attention", None)
+    if inner is not None and _bert_shaped_by_structure(inner) is not None and all(
+            is_linear_layer(child(m, p)) for p in ("intermediate.dense", "output.dense")):
+        return _bert_shaped(_prefix(m, "Layer"))[1]
+    return None
+
+
+def _plain(own: nn.Module) -> bool:
+    """Only projections, dropout and parameter-free helpers (rotary tables): no per-head parameter of
+    its own (Swin's relative position bias, ConvBERT's and Nystromformer's convolutions), which the
+    rule would leave whole while the heads are split; structural detection handles those (Swin)."""
+    if any(p is not None for p in own._parameters.values()):
+        return False
+    return all(isinstance(c, (nn.Linear, nn.Dropout, nn.Embedding)) or next(c.parameters(), None) is None
+               for c in own.children())
+
+
+def _prefix(m: nn.Module, suffix: str) -> str:
+    name = type(m).__name__
+    return name[: -len(suffix)] if name.endswith(suffix) and len(name) > len(suffix) else name
+
+
 def encoder_units(name: str, m: nn.Module) -> Iterable[BuiltinUnit]:
     """The recognized encoder block ``m`` (named ``name``) as units."""
     spec = _BY_CLASS.get(type(m).__name__)
+    if spec is None and type(m).__module__.startswith("transformers."):
+        spec = _bert_shaped_by_structure(m)
     if spec is not None and spec.module_hint in type(m).__module__:
         unit = _spec_unit(spec, name, m)
         if unit is not None:

@@ -14,8 +14,10 @@ from megastrategy.anatomy import ModelAnatomy, find_hf_model
 from megastrategy.component import Component, SetupContext
 from megastrategy.config import MegatronConfig
 from megastrategy.errors import MegatronConfigError
+from megastrategy.pipeline.batch_statistics import refuse_batch_statistics
 from megastrategy.pipeline.forward_order import ForwardOrder, loop_state_refusal, record_forward_order
 from megastrategy.pipeline.layer_assignment import assign_layers
+from megastrategy.pipeline.parallel_lists import refuse_parallel_lists
 from megastrategy.pipeline.schedule_choice import schedule_placement
 from megastrategy.pipeline.schedules import validate_schedule
 from megastrategy.pipeline.zero_bubble_v import check_zb_v
@@ -47,7 +49,9 @@ class Pipeline(Component):
                 "Use automatic optimization with pp > 1, or pp=1 for manual optimization."
             )
         _refuse_what_stages_cannot_split(find_hf_model(module)[1], self.pp)
+        refuse_batch_statistics(module, self.pp, self.num_microbatches)
         anatomy = ModelAnatomy.of(module, self.pipeline_layers)
+        refuse_parallel_lists(module, anatomy.stack_path, self.pp)
         order = self._forward_order(module, anatomy.stack_path)
         assignment = assign_layers(len(order.stack_calls) if order is not None else len(anatomy.stack), self.pp,
                                    self.vp, self.placement)

@@ -155,6 +155,8 @@ class MetaStandIn(MetaAttributes, nn.Module):
             try:
                 with torch.no_grad():
                     out = self._meta[0](*tree_map(to_meta, args), **tree_map(to_meta, kwargs))
+            except (RuntimeError, NotImplementedError) as exc:
+                raise MegatronConfigError(_no_meta_run(self._name, self._meta[0], exc)) from exc
             finally:
                 self._running = False
             if key is not None:
@@ -167,6 +169,15 @@ class MetaStandIn(MetaAttributes, nn.Module):
     def _zeros(self, like: torch.Tensor, device: Optional[torch.device], marked: bool) -> torch.Tensor:
         zeros = torch.zeros(like.shape, dtype=like.dtype, device=device)
         return mark(zeros, [self._name]) if marked else zeros
+
+
+def _no_meta_run(name: str, module: nn.Module, exc: Exception) -> str:
+    """Why a module before the stack cannot be stood in for (I-BERT's quantized embeddings read values)."""
+    first = (str(exc).strip().splitlines() or ["(no message)"])[0]
+    return (f"{name} ({type(module).__name__}) runs before the pipeline layer stack; the stages after the first "
+            f"compute only the shape of its output, on the meta device (no values), and its forward needs values "
+            f"there ({type(exc).__name__}: {first}). Use pp=1 for this model (tensor, context and data parallelism "
+            f"work), or keep what reads values (.item(), asserts on data) out of the modules before the stack.")
 
 
 class _NotFlat(Exception):
@@ -231,7 +242,7 @@ class Unreachable(nn.Module):
         except AttributeError:
             pass
         raise UnreachableAttributeError(
-            f"the forward reads {self._name}.{attr} directly (without calling {self._name}) on a pipeline stage "
+            f"the forward reads {self._name}{'' if attr.startswith('[') else '.'}{attr} directly (without calling {self._name}) on a pipeline stage "
             f"that does not own it; pipeline stages place a module by where the forward calls it, so a module "
             "whose parameters every layer reads (shared relative-position embeddings, as in DeBERTa-v2) cannot be "
             "split across stages. Use pp=1 (tensor or data parallelism work), or call the module instead of "
@@ -240,6 +251,13 @@ class Unreachable(nn.Module):
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         raise MegatronConfigError(misplaced_call(self._name, "after", self._by_registration))
+
+    def _indexed(self, *_: Any) -> Any:
+        """Indexing or iterating a container (a ModuleList of heads, MarkupLM's and PoolFormer's) this
+        stage does not own: refused like an attribute read, not a bare TypeError."""
+        return self.__getattr__("[...]")
+
+    __getitem__ = __iter__ = __len__ = _indexed
 
 
 def misplaced_call(name: str, placed: str, by_registration: bool) -> str:

@@ -94,8 +94,14 @@ def launch(models: list[str], strategy: str, nprocs: int, extra: list[str], time
             p.kill()
         p.wait()
     clean = all(p.returncode == 0 for p in procs)
-    tails = "" if clean else "\n".join(f"[rank {r}] {log.read_text()[-1500:]}" for r, log in enumerate(logs))
+    tails = "" if clean else "\n".join(_why_stopped(r, log.read_text()) for r, log in enumerate(logs))
     return (json.loads(out.read_text()) if out.exists() else {}), tails
+
+
+def _why_stopped(rank: int, log: str) -> str:
+    """A rank's refusal after setup (the first step's checks stop every rank), else its log's tail."""
+    said = log.rfind("MegatronConfigError:")
+    return f"[rank {rank}] " + (log[said:].split("\n\n")[0] if said >= 0 else log[-1500:])
 
 
 def run_layout(models: list[str], strategy: str, nprocs: int, extra: list[str], batch: int) -> dict:
@@ -119,6 +125,8 @@ def classify(got: dict, ref: dict) -> tuple[str, str]:
     """(class, detail) of one model under a layout, against the one-device reference."""
     if "error" in got:
         return "refused", got["error"].splitlines()[0][:300]
+    if "MegatronConfigError:" in got.get("hang", ""):
+        return "refused at step 0", got["hang"].split("MegatronConfigError:")[1].strip().splitlines()[0][:300]
     if "crash" in got or "hang" in got:
         kind = "crash" if "crash" in got else "hang"
         return kind, got[kind].replace("\n", " ")[-300:]

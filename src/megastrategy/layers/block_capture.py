@@ -99,7 +99,17 @@ def _hf_root(module: nn.Module, name: str) -> tuple[str, nn.Module] | None:
     return None
 
 
+def _is_cache(value: Any) -> bool:
+    """A key/value cache object under any argument name (XLM passes ``cache=``): told by its
+    methods, as Hugging Face's ``Cache`` classes all have them. Replaying a block with the capture
+    run's cache would attend over the cached keys too, so the reference itself would fail."""
+    return not isinstance(value, (torch.Tensor, nn.Module)) and callable(getattr(value, "update", None)) \
+        and callable(getattr(value, "get_seq_length", None))
+
+
 def _detached(tree: Any) -> Any:
+    if _is_cache(tree):
+        return None
     if isinstance(tree, torch.Tensor):
         return tree.detach().clone()
     if isinstance(tree, tuple) and not hasattr(tree, "_fields"):

@@ -16,7 +16,7 @@ from megastrategy.errors import MegatronConfigError
 
 __all__ = [
     "ModelAnatomy", "OutsideModule", "find_hf_model", "find_layer_stack", "get_submodule_path", "outside_modules",
-    "pp_plan_stack",
+    "pp_plan_stack", "refuse_parallel_lists",
 ]
 
 
@@ -87,6 +87,22 @@ def find_layer_stack(module: nn.Module, pipeline_layers: Optional[str] = None) -
                "keep the transformer blocks in an nn.ModuleList and pass its path as pipeline_layers='...'.")
         )
     return best
+
+
+def refuse_parallel_lists(module: nn.Module, name: str, stack: nn.Module) -> None:
+    """XLM keeps each layer's parts in sibling lists (``attentions``, ``ffns``, ``layer_norm1``...)
+    that its forward indexes by layer in one loop: no list holds whole blocks, and a stage holding
+    a slice of one list fails at its first step (an index past the slice). Refused in setup."""
+    parent = module.get_submodule(name.rpartition(".")[0]) if "." in name else module
+    siblings = [n for n, m in parent.named_children()
+                if isinstance(m, nn.ModuleList) and m is not stack and len(m) == len(stack)]
+    if isinstance(stack, nn.ModuleList) and siblings and len(stack) > 1:
+        raise MegatronConfigError(
+            f"pp>1: {name!r} has sibling lists of the same length ({', '.join(map(repr, siblings))}): each layer's parts "
+            "are held in parallel lists that the forward indexes by layer, so no list holds whole blocks to split over "
+            "pipeline stages. Use pp=1 (tensor and data parallelism work), or keep each layer in one module, collect "
+            "them in an nn.ModuleList and pass its path as pipeline_layers='...'."
+        )
 
 
 def _longest_uniform(module: nn.Module, kind: type) -> Optional[tuple[str, nn.Module]]:

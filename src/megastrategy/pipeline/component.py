@@ -10,7 +10,7 @@ from typing import Optional
 import torch.distributed as dist
 from torch import nn
 
-from megastrategy.anatomy import ModelAnatomy, find_hf_model
+from megastrategy.anatomy import ModelAnatomy, find_hf_model, refuse_parallel_lists
 from megastrategy.component import Component, SetupContext
 from megastrategy.config import MegatronConfig
 from megastrategy.errors import MegatronConfigError
@@ -48,6 +48,8 @@ class Pipeline(Component):
             )
         _refuse_what_stages_cannot_split(find_hf_model(module)[1], self.pp)
         anatomy = ModelAnatomy.of(module, self.pipeline_layers)
+        if self.pipeline_layers is None:  # a list the user named is taken as it is
+            refuse_parallel_lists(module, anatomy.stack_path, anatomy.stack)
         order = self._forward_order(module, anatomy.stack_path)
         assignment = assign_layers(len(order.stack_calls) if order is not None else len(anatomy.stack), self.pp,
                                    self.vp, self.placement)

@@ -118,3 +118,15 @@ def test_a_model_that_cannot_run_on_token_ids_alone_is_reported_unverified(caplo
         assert capture_blocks(model, plan) == []
     assert "model.layers.0.self_attn" in caplog.text and "are not verified" in caplog.text
     assert "pixel_values are required" in caplog.text
+
+
+def test_a_cache_under_any_argument_name_is_dropped_from_captured_inputs():
+    """XLM passes its key/value cache as ``cache=``: replaying the capture run's cache would make the
+    unsharded reference itself fail (it attends over the cached keys too)."""
+    import torch
+    from transformers import DynamicCache
+
+    from megastrategy.layers.block_capture import _detached
+
+    args, kwargs = _detached(((torch.ones(2), DynamicCache()), {"cache": DynamicCache(), "mask": torch.ones(3)}))
+    assert args[1] is None and kwargs["cache"] is None and kwargs["mask"].shape == (3,)

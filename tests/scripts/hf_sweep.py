@@ -99,23 +99,26 @@ def launch(models: list[str], strategy: str, nprocs: int, extra: list[str], time
 
 
 def _why_stopped(rank: int, log: str) -> str:
-    """A rank's refusal after setup (the first step's checks stop every rank), else its log's tail."""
-    said = log.rfind("MegatronConfigError:")
-    return f"[rank {rank}] " + (log[said:].split("\n\n")[0] if said >= 0 else log[-1500:])
+    """What stopped a rank: the watchdog's line naming the failing rank's error, else the log's tail."""
+    said = log.rfind("failed while training step")
+    return f"[rank {rank}] " + (log[said:].split("\n")[0] if said >= 0 else log[-1500:])
 
 
 def run_layout(models: list[str], strategy: str, nprocs: int, extra: list[str], batch: int) -> dict:
-    """Every model through launches of ``batch``; a launch that stops early (hang, a rank killed)
-    marks the first unfinished model ``hang`` and resumes after it."""
+    """Every model through launches of ``batch``. A model that fails at its first step on one rank
+    stops its peers (the watchdog), which ends the launch: the first model left unrecorded is then
+    run alone, and what stopped that launch is its result (``hang`` when nothing says)."""
     results, todo = {}, list(models)
     while todo:
         chunk = todo[:batch]
         got, tails = launch(chunk, strategy, nprocs, extra, timeout=60 + 25 * len(chunk))
         results.update(got)
-        done = [m for m in chunk if m in got]
-        todo = todo[len(done):]
+        todo = todo[len([m for m in chunk if m in got]):]
+        if tails and todo and len(chunk) > 1:
+            alone, tails = launch(todo[:1], strategy, nprocs, extra, timeout=120)
+            got.update(alone)
         if tails and todo:
-            results[todo[0]] = {"hang": tails[-3000:]}
+            results[todo[0]] = got.get(todo[0]) or {"hang": tails[-3000:]}
             todo = todo[1:]
         print(f"  {strategy} {' '.join(extra)}: {len(results)}/{len(models)}", flush=True)
     return results
@@ -125,8 +128,10 @@ def classify(got: dict, ref: dict) -> tuple[str, str]:
     """(class, detail) of one model under a layout, against the one-device reference."""
     if "error" in got:
         return "refused", got["error"].splitlines()[0][:300]
-    if "MegatronConfigError:" in got.get("hang", ""):
+    if "failed while training step 0: MegatronConfigError:" in got.get("hang", ""):
         return "refused at step 0", got["hang"].split("MegatronConfigError:")[1].strip().splitlines()[0][:300]
+    if "failed while training step" in got.get("hang", ""):
+        return "crash at step 0", got["hang"].split("failed while training step 0:")[-1].strip().splitlines()[0][:300]
     if "crash" in got or "hang" in got:
         kind = "crash" if "crash" in got else "hang"
         return kind, got[kind].replace("\n", " ")[-300:]

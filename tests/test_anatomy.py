@@ -91,3 +91,27 @@ def test_blocks_in_a_sequential_are_the_stack_only_when_no_list_holds_blocks():
     assert find_layer_stack(model) == ("blocks", model.blocks)
     model.layers = nn.ModuleList([Block(), Block()])
     assert find_layer_stack(model)[0] == "layers"
+
+
+def test_a_multimodal_models_stack_is_its_language_models_blocks():
+    """Gemma 3's vision tower has as many layers as its text model here (more in PaliGemma): the
+    stack is the one holding the token embeddings' blocks, which a text batch runs."""
+    from tests.helpers.hf_zoo import tiny_model
+
+    module = nn.Module()
+    module.model = tiny_model("generic.gemma3")
+    assert find_layer_stack(module)[0] == "model.model.language_model.layers"
+
+
+def test_layers_held_in_parallel_sibling_lists_are_refused_for_pipelines():
+    """XLM's forward indexes attentions[i], ffns[i], layer_norm1[i]... in one loop: no list holds blocks."""
+    from megastrategy.anatomy import refuse_parallel_lists
+    from tests.helpers.hf_zoo import tiny_model
+
+    module = nn.Module()
+    module.model = tiny_model("generic.xlm")
+    path, stack = find_layer_stack(module)
+    with pytest.raises(MegatronConfigError, match="sibling lists of the same length"):
+        refuse_parallel_lists(module, path, stack)
+    probes = WithProbes()
+    refuse_parallel_lists(probes, "model.model.layers", probes.model.model.layers)  # one list: fine

@@ -41,9 +41,11 @@ MORE.update({f"{a}:lm": "declared:" for a in (
     "ernie4_5", "ministral3", "olmo3")})
 #: from the causal-LM sweep (tests/scripts/hf_sweep.py; ``generic.`` = the config class defaults, shrunk):
 #: Llama 4 with rope layers past the pipeline cut (stage 1 computed its rotary table on meta: its forward
-#: moves the ids to embed_tokens.weight.device), and architectures only structural detection shards
-MORE.update({"generic.llama4_text:lm": "declared:", "generic.opt:lm": "structural:", "generic.ctrl:lm": "structural:",
-             "generic.biogpt:lm": "structural:"})
+#: moves the ids to embed_tokens.weight.device); Gemma 3 with its vision tower (pp cut the tower, not the
+#: language model); BartForCausalLM (the dry run needs eager attention on meta); XGLM (its attention reshapes
+#: with self.embed_dim); OPT and BioGPT, which only structural detection shards
+MORE.update({"generic.llama4_text:lm": "declared:", "generic.gemma3:lm": "declared:", "generic.bart:lm": "structural:",
+             "generic.xglm:lm": "structural:", "generic.opt:lm": "structural:", "generic.biogpt:lm": "structural:"})
 #: refused at pp=2, trained at tp=2: XLM's layers live in parallel lists (attentions, ffns, ...) its forward indexes;
 #: at tp2 its attention takes a cache= argument the block check's replay must drop
 SWEPT_TP2_ONLY = {"generic.xlm:lm": "structural:"}

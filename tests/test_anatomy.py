@@ -102,3 +102,14 @@ def test_a_multimodal_model_uses_the_plan_of_its_text_model_not_the_first_tower(
     model = transformers.VoxtralForConditionalGeneration(tiny_config("voxtral"))
     assert pp_plan_stack(model) == "model.language_model.layers"
     assert find_layer_stack(model)[0] == "model.language_model.layers"
+
+
+def test_a_multimodal_models_stack_is_its_language_models_blocks():
+    """Gemma 3's vision tower has as many layers as its text model here (more in PaliGemma): the
+    stack is the one holding the token embeddings' blocks, which a text batch runs."""
+    from tests.helpers.hf_zoo import tiny_model
+
+    module = nn.Module()
+    module.model = tiny_model("generic.gemma3")
+    assert find_layer_stack(module)[0] == "model.model.language_model.layers"
+

@@ -79,8 +79,9 @@ def _plan_stack(hf: nn.Module, prefix: str = "") -> Optional[str]:
 def find_layer_stack(module: nn.Module, pipeline_layers: Optional[str] = None) -> tuple[str, nn.ModuleList]:
     """The dotted path and the ``nn.ModuleList`` of blocks to split over pipeline stages.
 
-    ``pipeline_layers`` wins; then the Hugging Face config's ``base_model_pp_plan``; then the
-    longest ``ModuleList`` whose entries are all of one type; failing that (and with no list
+    ``pipeline_layers`` wins; then the Hugging Face config's ``base_model_pp_plan``; then, in a
+    multimodal model, its language model's blocks; then the longest ``ModuleList`` whose entries
+    are all of one type; failing that (and with no list
     mixing kinds of blocks), the longest ``nn.Sequential`` of identical blocks (timm's ViT).
     """
     pipeline_layers = pipeline_layers or pp_plan_stack(module)
@@ -92,7 +93,7 @@ def find_layer_stack(module: nn.Module, pipeline_layers: Optional[str] = None) -
                 "point it at the list of transformer blocks (for example 'model.bert.encoder.layer')."
             )
         return pipeline_layers, stack
-    best = _longest_uniform(module, nn.ModuleList)
+    best = _text_stack(module) or _longest_uniform(module, nn.ModuleList)
     if best is None and _mixed_stack_hint(module) is None:
         best = _longest_uniform(module, nn.Sequential)
     if best is None:
@@ -102,6 +103,29 @@ def find_layer_stack(module: nn.Module, pipeline_layers: Optional[str] = None) -
                "keep the transformer blocks in an nn.ModuleList and pass its path as pipeline_layers='...'.")
         )
     return best
+
+
+def _text_stack(module: nn.Module) -> Optional[tuple[str, nn.Module]]:
+    """In a multimodal Hugging Face model (its config holds a text sub-config), the blocks of the
+    language model: the longest list of identical blocks in the nearest ancestor of the token
+    embeddings that holds one. Gemma 3's vision tower has as many layers as its language model, or
+    more (PaliGemma: 27 against 18), and the longest list anywhere would be the vision encoder's:
+    stages would then cut a tower a text batch never runs, with the language model past the cut."""
+    hf_path, hf = find_hf_model(module)
+    get_text = getattr(getattr(hf, "config", None), "get_text_config", None)
+    if hf is None or not callable(get_text) or get_text() is hf.config:
+        return None
+    try:
+        embedding = hf.get_input_embeddings()
+    except (NotImplementedError, AttributeError):
+        return None
+    path = next((n for n, m in hf.named_modules() if m is embedding), None)
+    while path:
+        path = path.rpartition(".")[0]
+        found = _longest_uniform(hf.get_submodule(path) if path else hf, nn.ModuleList)
+        if found is not None:
+            return ".".join(p for p in (hf_path, path, found[0]) if p), found[1]
+    return None
 
 
 def _longest_uniform(module: nn.Module, kind: type) -> Optional[tuple[str, nn.Module]]:

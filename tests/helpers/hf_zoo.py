@@ -24,7 +24,7 @@ from transformers import (
     AutoModelForTokenClassification,
 )
 
-VOCAB = 128
+from tests.helpers.hf_generic import VOCAB, generic_tiny_config
 _COMMON = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
                pad_token_id=0, bos_token_id=1, eos_token_id=2, max_position_embeddings=64, tie_word_embeddings=False)
 _DECODER = dict(_COMMON, num_key_value_heads=2, head_dim=8)
@@ -149,7 +149,15 @@ _DECODER_EXTRA = {
 }
 
 
+#: prefix of an architecture name that asks for :func:`generic_tiny_config` (the sweep's configs)
+GENERIC = "generic."
+
+
 def tiny_config(arch: str, **overrides):
+    if arch.startswith(GENERIC):
+        config = generic_tiny_config(arch[len(GENERIC):])
+        config.update(overrides)
+        return config
     if arch in _VARIANTS:
         arch, extra = _VARIANTS[arch]
         overrides = {**extra, **overrides}

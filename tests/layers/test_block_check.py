@@ -130,3 +130,15 @@ def test_hidden_states_passed_under_another_keyword_are_the_input_whose_gradient
     query, mask = torch.randn(2, 3), torch.ones(2, 3, dtype=torch.bool)
     args, kwargs, leaf = _hidden_input((), {"key_padding_mask": mask, "query": query})
     assert leaf.requires_grad and kwargs["query"] is leaf and torch.equal(leaf, query) and kwargs["key_padding_mask"] is mask
+
+
+def test_a_cache_under_any_argument_name_is_dropped_from_captured_inputs():
+    """XLM passes its key/value cache as ``cache=``: replaying the capture run's cache would make the
+    unsharded reference itself fail (it attends over the cached keys too)."""
+    import torch
+    from transformers import DynamicCache
+
+    from megastrategy.layers.block_capture import _detached
+
+    args, kwargs = _detached(((torch.ones(2), DynamicCache()), {"cache": DynamicCache(), "mask": torch.ones(3)}))
+    assert args[1] is None and kwargs["cache"] is None and kwargs["mask"].shape == (3,)

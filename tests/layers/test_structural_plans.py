@@ -28,6 +28,16 @@ def test_falcon_grouped_query_packing_is_split_by_kv_groups():
     assert len(got) == 2 + 4 * 2  # nothing else in the blocks
 
 
+def test_an_attention_width_attribute_is_divided_with_the_heads():
+    """XGLM reshapes its local heads with ``self.embed_dim``: divided with ``num_heads``; the decoder
+    layer's own ``embed_dim`` (the residual width) is left whole."""
+    plan = resolve_tp_plan(tiny_model("generic.xglm"), None, 2)
+    fixups = {(f.module, f.attr): (f.old, f.new) for f in plan.fixups}
+    attn = "model.layers.0.self_attn"
+    assert fixups[(attn, "num_heads")] == (4, 2) and fixups[(attn, "embed_dim")] == (32, 16)
+    assert ("model.layers.0", "embed_dim") not in fixups
+
+
 def test_persimmon_per_head_norms_sum_their_gradients():
     got = _sharded(resolve_tp_plan(tiny_model("persimmon"), None, 2))
     attn = "model.layers.1.self_attn"

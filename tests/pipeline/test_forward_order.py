@@ -24,6 +24,17 @@ def _order(hf: nn.Module):
     return module, path, record_forward_order(module, path)
 
 
+def test_a_decoder_whose_sdpa_mask_reads_values_is_dry_run_with_eager_attention():
+    """BartForCausalLM's decoder builds a padding mask that SDPA's shortcut reads (``.all()``): no
+    value on meta. The retry with eager attention sees layernorm_embedding run before the layers."""
+    from tests.helpers.hf_zoo import tiny_model
+
+    module, path, order = _order(tiny_model("generic.bart"))
+    assert path == "model.model.decoder.layers" and order is not None
+    assert order.called["model.model.decoder.layernorm_embedding"] == {"before"}
+    assert module.model.config._attn_implementation == "sdpa"  # the user's model is untouched
+
+
 def test_opt_final_layer_norm_registered_before_the_layers_runs_after_them():
     module, path, order = _order(transformers.OPTForCausalLM(transformers.OPTConfig(**TINY, ffn_dim=32, word_embed_proj_dim=16)))
     assert path == "model.model.decoder.layers"

@@ -69,3 +69,12 @@ def test_calling_a_part_of_the_replaced_module_is_refused_naming_it():
     stand_in(torch.zeros(2, 5, dtype=torch.long))  # its own run calls the table: allowed
     with pytest.raises(MegatronConfigError, match=r"calls embeddings\.table directly"):
         stand_in.table(torch.zeros(2, 5, dtype=torch.long))
+
+
+def test_inputs_moved_to_the_stand_ins_meta_weight_give_zeros_on_the_real_device():
+    """Llama 4 calls ``embed_tokens(input_ids.to(embed_tokens.weight.device))``: on a later stage the
+    weight is the meta copy's, so the ids arrive on meta; the zeros go where the real module was."""
+    stand_in, _ = _stand_in()
+    ids = torch.randint(0, 50, (2, 5))
+    out, _ = stand_in(ids.to(stand_in.table.weight.device))
+    assert stand_in.table.weight.device.type == "meta" and out.device.type == "cpu" and not out.any()

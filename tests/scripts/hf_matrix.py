@@ -135,13 +135,13 @@ def _tensor_parallel_type():
 
 
 def train_one(arch: str, task: str, strategy_name: str, tp: int, pp: int, world_size: int,
-              keep_going: bool = False, ep: int = 1) -> dict:
+              keep_going: bool = False, ep: int = 1, find_unused: bool = False) -> dict:
     from megastrategy.errors import MegatronConfigError
 
     L.seed_everything(0, verbose=False)
     module = HFModule(arch, task)
     if strategy_name == "ddp":
-        strategy = DDPStrategy()
+        strategy = DDPStrategy(find_unused_parameters=find_unused)
     else:
         from megastrategy import MegatronStrategy
 
@@ -171,6 +171,8 @@ def main() -> None:
     p.add_argument("--pp", type=int, default=1)
     p.add_argument("--ep", type=int, default=1)
     p.add_argument("--keep-going", action="store_true", help="record any exception and go on (probing)")
+    p.add_argument("--find-unused", action="store_true",
+                   help="DDP reference: allow parameters the loss does not use (a decoder's cross-attention, a vision tower)")
     p.add_argument("--models", required=True, help="comma-separated arch:task, task in lm/mlm/cls/s2s/tok/qa/mc/img/audio/ctc/asr")
     args = p.parse_args()
     torch.set_num_threads(1)
@@ -181,7 +183,8 @@ def main() -> None:
     for item in args.models.split(","):
         arch, task = item.split(":")
         os.environ.update(env)  # Lightning's teardown removes the launcher's variables
-        results[item] = train_one(arch, task, args.strategy, args.tp, args.pp, world_size, args.keep_going, args.ep)
+        results[item] = train_one(arch, task, args.strategy, args.tp, args.pp, world_size, args.keep_going, args.ep,
+                                 args.find_unused)
         if rank == 0 and args.keep_going:  # what is done so far, should a later model stop the launch
             Path(args.out).write_text(json.dumps(results, indent=1))
     if rank == 0:

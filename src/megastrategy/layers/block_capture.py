@@ -100,10 +100,14 @@ def _hf_root(module: nn.Module, name: str) -> tuple[str, nn.Module] | None:
 
 
 def _is_cache(value: Any) -> bool:
-    """A key/value cache object (transformers' ``Cache`` family) under any argument name: Flaubert/XLM
-    call theirs ``cache``. Handing the capture run's cache to the block check would let each call append
-    to it, so the reference and the sharded call would see different key lengths."""
-    return any(c.__name__.endswith("Cache") for c in type(value).__mro__[:-1])
+    """A key/value cache object under any argument name (Flaubert/XLM pass ``cache=``): a class of
+    transformers' ``Cache`` family, or anything with their ``update``/``get_seq_length`` methods.
+    Replaying a block with the capture run's cache would attend over the cached keys too (each call
+    appends to it), so the reference and the sharded call would see different key lengths."""
+    if isinstance(value, (torch.Tensor, nn.Module)):
+        return False
+    named = any(c.__name__.endswith("Cache") for c in type(value).__mro__[:-1])
+    return named or (callable(getattr(value, "update", None)) and callable(getattr(value, "get_seq_length", None)))
 
 
 def _detached(tree: Any) -> Any:

@@ -44,6 +44,10 @@ _SPLIT_OPS = ("split", "chunk", "tensor_split", "split_with_sizes")
 _VIEW_OPS = ("view", "reshape", "unflatten")
 
 
+#: attention attributes that may hold the heads' concatenated width (see ``_width_attrs``)
+_WIDTH_ATTRS = ("embed_dim",)
+
+
 def _head_counts(m: nn.Module) -> dict[str, int]:
     return {a: v for a in HEAD_ATTRS if isinstance(v := getattr(m, a, None), int) and not isinstance(v, bool)}
 
@@ -144,10 +148,19 @@ class _Detector:
         dropouts = self.inside(owner, sources, nn.Dropout)
         rng = (self.full(out), f"{dropouts[0][len(owner) + 1:]}.p") if dropouts else None
         return BuiltinUnit(
-            self.arch, "attention", self.full(owner), members, divide_attrs=tuple(heads),
+            self.arch, "attention", self.full(owner), members, divide_attrs=tuple(heads) + self._width_attrs(owner, out),
             checks=[SizeCheck(self.full(owner), a, v, "attention heads") for a, v in heads.items()],
             rng_region=rng, origin="structural",
         )
+
+    def _width_attrs(self, owner: str, out: str) -> tuple[str, ...]:
+        """Width attributes of the attention that equal the heads' concatenated width (what the row
+        layer takes in): the unchanged forward reshapes its local heads with them (XGLM, TrOCR, MVP:
+        ``attn_output.reshape(bsz, tgt_len, self.embed_dim)``), so they are divided like the head
+        counts. The block check still compares the sharded attention with the original."""
+        width = getattr(self.modules[out], "in_features", None)
+        module = self.modules[owner]
+        return tuple(a for a in _WIDTH_ATTRS if isinstance(width, int) and getattr(module, a, None) == width)
 
     def _head_bias(self, owner: str, heads: dict[str, int]) -> list[tuple[str, str, dict[str, Any]]]:
         """T5's relative position bias: a per-head table (an Embedding whose width is the head

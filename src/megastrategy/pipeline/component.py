@@ -51,7 +51,8 @@ class Pipeline(Component):
         _refuse_what_stages_cannot_split(find_hf_model(module)[1], self.pp)
         refuse_batch_statistics(module, self.pp, self.num_microbatches)
         anatomy = ModelAnatomy.of(module, self.pipeline_layers)
-        refuse_parallel_lists(module, anatomy.stack_path, self.pp)
+        if self.pipeline_layers is None:  # a list the user named is taken as it is
+            refuse_parallel_lists(module, anatomy.stack_path, self.pp)
         order = self._forward_order(module, anatomy.stack_path)
         assignment = assign_layers(len(order.stack_calls) if order is not None else len(anatomy.stack), self.pp,
                                    self.vp, self.placement)

@@ -99,7 +99,16 @@ def record_forward_order(module: nn.Module, stack_path: str) -> Optional[Forward
                 twin.config._experts_implementation = "batched_mm"  # MoE blocks (DeepSeek-V3, GPT-OSS) run on meta
     except Exception:  # noqa: BLE001 - an uncopyable model keeps registration order
         return None
-    return _run(twin, inputs, prefix, stack_path[len(prefix):])
+    order = _run(twin, inputs, prefix, stack_path[len(prefix):])
+    if order is None and callable(getattr(twin, "set_attn_implementation", None)):
+        # SDPA's mask shortcut reads the padding mask's values (BART's decoder builds one), which meta
+        # tensors have not; eager attention calls the same modules in the same order
+        try:
+            twin.set_attn_implementation("eager")
+        except Exception:  # noqa: BLE001 - a model without eager attention keeps registration order
+            return None
+        order = _run(twin, inputs, prefix, stack_path[len(prefix):])
+    return order
 
 
 def _token_model(module: nn.Module, stack_path: str) -> tuple[str, Optional[nn.Module]]:

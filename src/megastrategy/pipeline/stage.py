@@ -119,6 +119,9 @@ class MetaStandIn(MetaAttributes, nn.Module):
     def __init__(self, real: nn.Module, name: str, by_registration: bool = False):
         super().__init__()
         self._meta = [meta_copy(real)]  # a list: not registered as a submodule
+        #: where the zeros go when the inputs are on the meta device: Llama 4 moves the token ids to
+        #: ``embed_tokens.weight.device``, which the stand-in answers from its meta copy
+        self._device = next((t.device for t in list(real.parameters()) + list(real.buffers())), None)
         self._name = name
         self._by_registration = by_registration
         self._outputs: dict[Any, Any] = {}  # input signature -> the meta run's output
@@ -147,6 +150,7 @@ class MetaStandIn(MetaAttributes, nn.Module):
         if self.stage_done is not None and self.stage_done():
             raise MegatronConfigError(misplaced_call(self._name, "before", self._by_registration))
         device = next((a.device for a in list(args) + list(kwargs.values()) if isinstance(a, torch.Tensor)), None)
+        device = self._device if device is not None and device.type == "meta" else device
         key = _signature((args, kwargs))
         out = self._outputs.get(key) if key is not None else None
         if out is None:

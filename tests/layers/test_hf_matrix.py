@@ -58,7 +58,7 @@ REFUSED_TP2 = {
 REFUSED_PP2 = {
     "swin:img": "input_dimensions=(4, 4)",  # the loop halves it after each downsampling stage
     "jamba:lm": "pass pipeline_layers='model.model.layers'",  # Mamba and attention layers: different classes
-    "generic.xlm:lm": "has sibling lists of the same length",
+    "generic.xlm:lm": "spread over parallel lists",
 }
 #: refused at pp=2, trained at tp=2: model -> plan source
 TP2_ONLY = {"jamba:lm": "declared:", **SWEPT_TP2_ONLY}

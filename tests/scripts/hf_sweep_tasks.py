@@ -68,8 +68,6 @@ def build_model(arch: str, task: str):
 
 def worker(argv: list[str]) -> None:
     """One rank: hf_matrix.py's runner with ``build_model`` in place of the zoo."""
-    import functools
-
     import lightning as L
 
     from tests.scripts import hf_matrix
@@ -81,14 +79,13 @@ def worker(argv: list[str]) -> None:
             self.model = build_model(arch, task)
 
     hf_matrix.HFModule = SweepModule
-    # a head some architectures leave unused (Canine, ESM) would stop the reference, not ours to judge
-    hf_matrix.DDPStrategy = functools.partial(hf_matrix.DDPStrategy, find_unused_parameters=True)
     if "--microbatches" in argv:  # a loss averaged over a data-dependent token count (MLM) is exact with 1
         i = argv.index("--microbatches")
         _fix_microbatches(int(argv[i + 1]))
         argv = argv[:i] + argv[i + 2:]
     keep_going = [] if os.environ.get("SWEEP_RAISE") else ["--keep-going"]  # SWEEP_RAISE=1: see the traceback
-    sys.argv = [sys.argv[0], *argv, *keep_going]
+    # a head some architectures leave unused (Canine, ESM) would stop the reference, not ours to judge
+    sys.argv = [sys.argv[0], *argv, *keep_going, "--find-unused"]
     hf_matrix.main()
 
 
@@ -255,7 +252,6 @@ def main() -> None:
     missing = [m for m in models if m not in ref]
     ref.update(run_layout(missing, 1, ["--strategy", "ddp"], a.stall, a.batch) if missing else {})
     good = [m for m in models if "loss" in ref[m]]
-    layouts = {}
     for name in a.layouts.split(","):
         flag = _LAYOUTS[name]
         new = run_layout(good, 2, ["--strategy", "megatron", *flag], a.stall, a.batch)

@@ -14,11 +14,14 @@ from tests.helpers.launch import run_script
 SCRIPT = Path(__file__).parents[1] / "scripts" / "sft_masked_labels.py"
 
 
-@pytest.mark.parametrize("layout", [["--pp", "2", "--microbatches", "4"], ["--pp", "2", "--vp", "2", "--microbatches", "4"]],
-                         ids=["pp2", "pp2-vp2"])
-def test_prompt_masked_fine_tuning_under_pp_gives_one_devices_losses(layout):
+@pytest.mark.parametrize("nprocs, layout", [
+    (2, ["--pp", "2", "--microbatches", "4"]),
+    (2, ["--pp", "2", "--vp", "2", "--microbatches", "4"]),
+    (4, ["--tp", "2", "--pp", "2", "--microbatches", "4"]),  # the loss over vocab-parallel logits
+], ids=["pp2", "pp2-vp2", "tp2-pp2"])
+def test_prompt_masked_fine_tuning_under_pp_gives_one_devices_losses(nprocs, layout):
     ddp = run_script(SCRIPT, 1, ["--strategy", "ddp"], timeout=300)
-    ours = run_script(SCRIPT, 2, ["--strategy", "megatron", *layout], timeout=300)
+    ours = run_script(SCRIPT, nprocs, ["--strategy", "megatron", *layout], timeout=300)
     assert len(ddp["losses"]) == 4
     assert ours["losses"] == pytest.approx(ddp["losses"], abs=2e-4)
     assert ours["val_loss"] == pytest.approx(ddp["val_loss"], abs=2e-4)

@@ -232,3 +232,41 @@ HABITS = {
     "test-best": test_best,
     "predict-no-return": predict_no_return,
 }
+
+
+# ---------------------------------------------------------------- 4. sync_batchnorm
+class BatchNormGPT(GPT):
+    """A BatchNorm over the features before the head; records what its layer became for training."""
+
+    def __init__(self, **kw) -> None:
+        super().__init__(**kw)
+        self.bn = torch.nn.BatchNorm1d(32)
+        self.seen: dict = {}
+
+    def forward(self, ids):
+        x = self.wte(ids) + self.wpe(torch.arange(ids.shape[1], device=ids.device))
+        for b in self.blocks:
+            x = b(x)
+        return self.lm_head(self.ln_f(self.bn(x.transpose(1, 2)).transpose(1, 2)))
+
+    def on_train_start(self):
+        import torch.distributed as dist
+
+        group = getattr(self.bn, "process_group", None) or dist.group.WORLD
+        self.seen = {"layer": type(self.bn).__name__, "group_size": dist.get_world_size(group)}
+
+
+def sync_batchnorm(args, workdir):
+    """On CPU torch's SyncBatchNorm refuses to run (GPU only): the same ValueError as DDP's shows the
+    layer was converted, ``group_size`` over which processes it would sync."""
+    module, losses = BatchNormGPT(batch_size=8 // args.dp), StepLosses()
+    t = trainer(args, [losses], max_steps=2, limit_val_batches=0, sync_batchnorm=True)
+    try:
+        t.fit(module)
+        raised = None
+    except ValueError as error:
+        raised = str(error)
+    return {"losses": losses.losses, "raised": raised, **module.seen, "after": type(module.bn).__name__}
+
+
+HABITS["sync-batchnorm"] = sync_batchnorm

@@ -7,6 +7,8 @@ A report holds per-step losses and what rank 0 logged, wrote, counted or returne
 """
 from __future__ import annotations
 
+import dataclasses
+
 import lightning as L
 import torch
 from lightning.pytorch.callbacks import BasePredictionWriter, ModelCheckpoint
@@ -270,3 +272,60 @@ def sync_batchnorm(args, workdir):
 
 
 HABITS["sync-batchnorm"] = sync_batchnorm
+
+
+# ---------------------------------------------------------------- 5. a custom batch class
+class TokenBatch:
+    """Lightning's documented ``CustomBatch``: a plain class the collate function builds, moved by the
+    user's ``transfer_batch_to_device``."""
+
+    def __init__(self, rows) -> None:
+        self.input_ids = torch.stack([r["input_ids"] for r in rows])
+
+    def __len__(self):
+        return len(self.input_ids)
+
+
+class CustomBatchGPT(GPT):
+    def train_dataloader(self):
+        return DataLoader(TokenDataset(32), batch_size=self.batch_size, collate_fn=TokenBatch)
+
+    def transfer_batch_to_device(self, batch, device, dataloader_idx):
+        if isinstance(batch, TokenBatch):
+            batch.input_ids = batch.input_ids.to(device)
+            return batch
+        return super().transfer_batch_to_device(batch, device, dataloader_idx)
+
+    def compute_loss(self, batch):
+        return super().compute_loss({"input_ids": batch.input_ids} if isinstance(batch, TokenBatch) else batch)
+
+
+@dataclasses.dataclass
+class TokenFields:
+    """The same batch as a dataclass, which Lightning's ``apply_to_collection`` moves field by field."""
+
+    input_ids: torch.Tensor
+    source: str = "tokens"
+
+
+class DataclassBatchGPT(GPT):
+    def train_dataloader(self):
+        collate = lambda rows: TokenFields(torch.stack([r["input_ids"] for r in rows]))  # noqa: E731
+        return DataLoader(TokenDataset(32), batch_size=self.batch_size, collate_fn=collate)
+
+    def compute_loss(self, batch):
+        assert isinstance(batch, TokenFields) and batch.source == "tokens", type(batch)
+        return super().compute_loss({"input_ids": batch.input_ids})
+
+
+def _batch_class(kind, **strategy):
+    def run(args, workdir):
+        losses = StepLosses()
+        trainer(args, [losses], max_steps=3, limit_val_batches=0, **strategy).fit(kind(batch_size=8 // args.dp))
+        return {"losses": losses.losses}
+
+    return run
+
+
+HABITS["custom-batch"] = _batch_class(CustomBatchGPT)
+HABITS["dataclass-batch"] = _batch_class(DataclassBatchGPT)

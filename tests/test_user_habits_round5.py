@@ -18,16 +18,13 @@ One launch per layout of tests/scripts/habits_round5.py runs every habit one aft
 * ``Trainer(sync_batchnorm=True)``: was silently ignored; now converted over the data-parallel group,
   and refused on CPU as DDP refuses it.
 """
-import tempfile
-from functools import lru_cache
 from pathlib import Path
 
 import pytest
 
-from tests.helpers.launch import run_script
+from tests.helpers.habit_launches import TOL, Launches, close as _close
 
 SCRIPT = Path(__file__).parent / "scripts" / "habits_round5.py"
-TOL = 2e-4
 pytestmark = pytest.mark.slow
 
 FLAGS = ["fast-dev-run", "fast-dev-run-3", "overfit-batches", "limit-train-half", "deterministic", "sanity-all",
@@ -45,23 +42,8 @@ LAUNCHES = {  # layout: (processes, strategy arguments, habits)
 REFERENCE = {"tp2": "ddp", "pp2": "ddp", "dp2": "ddp2"}
 
 
-@lru_cache(maxsize=None)
-def _run(layout: str) -> dict:
-    nprocs, args, habits = LAUNCHES[layout]
-    workdir = tempfile.mkdtemp(prefix="habits5-")
-    return run_script(SCRIPT, nprocs, [*args, "--habits", ",".join(habits), "--dir", workdir], timeout=300)
-
-
-def _pair(layout: str, habit: str) -> tuple:
-    ours = _run(layout)[habit]
-    assert "error" not in ours, ours.get("trace")
-    return ours, _run(REFERENCE[layout])[habit]
-
-
-def _close(ours: list, ref: list, tol: float = TOL) -> None:
-    assert len(ours) == len(ref) >= 1, (ours, ref)
-    diff = max(abs(a - b) for a, b in zip(ours, ref))
-    assert diff <= tol, f"differ by {diff:.2e}: {ours} vs {ref}"
+LAUNCHED = Launches(SCRIPT, LAUNCHES, REFERENCE, "habits5-")
+_run, _pair = LAUNCHED.run, LAUNCHED.pair
 
 
 def _same_logged(ours: dict, ref: dict) -> None:

@@ -18,11 +18,13 @@ One launch per layout of tests/scripts/habits_round5.py runs every habit one aft
 * ``Trainer(sync_batchnorm=True)``: was silently ignored; now converted over the data-parallel group,
   and refused on CPU as DDP refuses it.
 """
+import tempfile
 from pathlib import Path
 
 import pytest
 
 from tests.helpers.habit_launches import TOL, Launches, close as _close
+from tests.helpers.launch import run_script_to_the_end
 
 SCRIPT = Path(__file__).parent / "scripts" / "habits_round5.py"
 pytestmark = pytest.mark.slow
@@ -30,7 +32,7 @@ pytestmark = pytest.mark.slow
 FLAGS = ["fast-dev-run", "fast-dev-run-3", "overfit-batches", "limit-train-half", "deterministic", "sanity-all",
          "no-inference-mode", "barebones", "reload-loaders", "val-every-2-epochs", "detect-anomaly"]
 SPLIT = FLAGS + ["profiler-simple", "profiler-advanced", "datamodule-hooks", "test-best", "predict-no-return",
-                 "custom-batch", "dataclass-batch"]
+                 "custom-batch", "dataclass-batch", "max-time"]
 DATA = ["datamodule-hooks", "limit-train-half", "sync-batchnorm"]
 LAUNCHES = {  # layout: (processes, strategy arguments, habits)
     "ddp": (1, ["--strategy", "ddp"], SPLIT + ["detect-anomaly-nan", "sync-batchnorm"]),
@@ -74,6 +76,23 @@ def test_profilers_wrap_the_same_hooks(layout):
 def test_detect_anomaly_names_the_backward_that_made_nan():
     assert _run("tp2")["detect-anomaly-nan"]["raised"] == _run("ddp")["detect-anomaly-nan"]["raised"]
     assert "SqrtBackward0" in _run("ddp")["detect-anomaly-nan"]["raised"]
+
+
+def test_detect_anomaly_at_pp2_stops_every_rank_naming_the_stage_that_made_nan():
+    """The stage whose backward makes the NaN raises it; the watchdog stops the other stage at once."""
+    ranks = run_script_to_the_end(SCRIPT, 2, ["--strategy", "megatron", "--pp", "2", "--habits", "detect-anomaly-nan",
+                                              "--dir", tempfile.mkdtemp(prefix="habits5-")], timeout=120)
+    assert all(code is not None for code, _, _ in ranks), "a rank hung"
+    assert any("Function 'SqrtBackward0' returned nan values" in out for _, out, _ in ranks)
+    assert any("because rank 1 (tp 0, pp 1, dp 0) failed" in out for _, out, _ in ranks)
+
+
+@pytest.mark.parametrize("layout", ["tp2", "pp2"])
+def test_max_time_stops_every_rank_after_the_same_step(layout):
+    ours, ref = _pair(layout, "max-time")
+    assert ours["global_step"] == ours["max_global_step"] >= 1
+    n = min(len(ours["losses"]), len(ref["losses"]))  # how many steps fit depends on the clock
+    _close(ours["losses"][:n], ref["losses"][:n])
 
 
 @pytest.mark.parametrize("layout", ["tp2", "pp2", "dp2"])

@@ -330,3 +330,25 @@ def _batch_class(kind, **strategy):
 
 HABITS["custom-batch"] = _batch_class(CustomBatchGPT)
 HABITS["dataclass-batch"] = _batch_class(DataclassBatchGPT)
+
+
+# ---------------------------------------------------------------- 6. max_time
+class SlowGPT(GPT):
+    def training_step(self, batch, batch_idx):
+        import time
+
+        time.sleep(0.2)
+        return super().training_step(batch, batch_idx)
+
+
+def max_time(args, workdir):
+    """``max_time`` stops by each rank's own clock; Lightning's Timer broadcasts rank 0's decision, so
+    every rank stops after the same step (a disagreement would hang the next collective)."""
+    losses = StepLosses()
+    t = trainer(args, [losses], max_time={"seconds": 2}, max_epochs=50, limit_val_batches=0)
+    t.fit(SlowGPT(batch_size=8 // args.dp))
+    steps = t.strategy.reduce(torch.tensor(float(t.global_step)), reduce_op="max")
+    return {"losses": losses.losses, "global_step": t.global_step, "max_global_step": int(steps)}
+
+
+HABITS["max-time"] = max_time

@@ -99,6 +99,7 @@ def test_max_time_stops_every_rank_after_the_same_step(layout):
 def test_datamodule_hooks_state_and_stages(layout):
     ours, ref = _pair(layout, "datamodule-hooks")
     _close(ours["losses"], ref["losses"])
+    assert ours["every_rank"] == [ref["hooks"]] * len(ours["every_rank"])  # each once per batch, on every rank
     assert ours["hooks"] == ref["hooks"] and ours["loaded"] == ref["loaded"] == {"epochs_seen": 1}
     assert ours["stages"] == ref["stages"] and ours["resumed_stages"] == ref["resumed_stages"]
     _same_logged(ours["logged"], ref["logged"])

@@ -170,13 +170,17 @@ def datamodule_hooks(args, workdir):
     path = workdir / "dm.ckpt"
     t.save_checkpoint(str(path))
     hooks = dict(data.hooks)
+    import torch.distributed as dist
+
+    every_rank = [None] * dist.get_world_size()
+    dist.all_gather_object(every_rank, hooks)  # the hooks run on every rank, before the batch broadcast
     saved = torch.load(path, weights_only=False).get("TokenData") if path.is_file() else "sharded"
     resumed_data = TokenData(8 // args.dp)
     t2 = trainer(args, max_epochs=2, limit_val_batches=0, limit_train_batches=1)
     module = DataAware(batch_size=8 // args.dp)
     t2.fit(module, datamodule=resumed_data, ckpt_path=str(path))
     t2.test(module, datamodule=resumed_data, verbose=False)
-    return {"losses": losses.losses, "hooks": hooks, "saved": saved, "loaded": resumed_data.loaded_state,
+    return {"losses": losses.losses, "hooks": hooks, "every_rank": every_rank, "saved": saved, "loaded": resumed_data.loaded_state,
             "stages": data.stages, "resumed_stages": resumed_data.stages, "logged": _metrics(t)}
 
 

@@ -65,3 +65,13 @@ def test_a_batch_without_visible_tensors_splits_only_into_one():
     assert list(iter_microbatches(batch, 1)) == [batch]
     with pytest.raises(MegatronConfigError, match=r"num_microbatches=2.*\(Opaque\).*dataclass.*num_microbatches=1"):
         list(iter_microbatches(batch, 2))
+
+
+def test_a_dataclass_with_an_init_var_stays_one_leaf():
+    @dataclasses.dataclass
+    class WithInitVar:
+        x: torch.Tensor
+        scale: dataclasses.InitVar[float] = 1.0
+
+    leaves, spec = flatten_batch(WithInitVar(torch.ones(2)))
+    assert len(leaves) == 1 and type(unflatten_batch(leaves, spec)) is WithInitVar

@@ -46,7 +46,10 @@ def _foreign(obj: Any) -> bool:
 
 
 def _walked_dataclass(obj: Any) -> bool:
-    return is_dataclass(obj) and not isinstance(obj, type) and all(f.init for f in fields(obj))
+    """A dataclass instance its class can rebuild from its fields (no ``init=False`` field, no ``InitVar``)."""
+    if not is_dataclass(obj) or isinstance(obj, type):
+        return False
+    return all(f.init for f in fields(obj)) and len(fields(obj)) == len(obj.__dataclass_fields__)
 
 
 def _plain(obj: Any) -> tuple[Any, Optional[tuple]]:

@@ -1,11 +1,14 @@
 """Batches of any type Lightning accepts split and travel as tensors, and come back as their own type."""
+import dataclasses
 import pickle
 from collections import UserDict
 
+import pytest
 import torch
 from transformers import BatchEncoding
 
 from megastrategy.batch_tree import flatten_batch, unflatten_batch
+from megastrategy.errors import MegatronConfigError
 from megastrategy.pipeline.stage import iter_microbatches
 
 
@@ -31,3 +34,44 @@ def test_a_batch_encoding_splits_into_microbatches_of_its_own_type():
     parts = list(iter_microbatches(batch, 2))
     assert [type(p) for p in parts] == [BatchEncoding, BatchEncoding]
     assert torch.equal(torch.cat([p["input_ids"] for p in parts]), batch["input_ids"])
+
+
+@dataclasses.dataclass
+class Fields:
+    input_ids: torch.Tensor
+    source: str = "tokens"
+
+
+@dataclasses.dataclass
+class Derived:
+    x: torch.Tensor
+    n: int = dataclasses.field(init=False, default=0)
+
+
+def test_a_dataclass_batch_splits_field_by_field_and_comes_back_as_itself():
+    """A collate_fn's dataclass (Lightning moves it field by field) was one opaque leaf: pp could not split it."""
+    parts = list(iter_microbatches(Fields(torch.arange(8).view(4, 2)), 2))
+    assert [type(p) for p in parts] == [Fields, Fields] and [p.source for p in parts] == ["tokens"] * 2
+    assert torch.equal(parts[1].input_ids, torch.arange(4, 8).view(2, 2))
+    leaves, spec = flatten_batch(Derived(torch.ones(2)))  # a field __init__ does not take: kept whole
+    assert len(leaves) == 1 and type(unflatten_batch(leaves, pickle.loads(pickle.dumps(spec)))) is Derived
+
+
+def test_a_batch_without_visible_tensors_splits_only_into_one():
+    class Opaque:
+        pass
+
+    batch = Opaque()
+    assert list(iter_microbatches(batch, 1)) == [batch]
+    with pytest.raises(MegatronConfigError, match=r"num_microbatches=2.*\(Opaque\).*dataclass.*num_microbatches=1"):
+        list(iter_microbatches(batch, 2))
+
+
+def test_a_dataclass_with_an_init_var_stays_one_leaf():
+    @dataclasses.dataclass
+    class WithInitVar:
+        x: torch.Tensor
+        scale: dataclasses.InitVar[float] = 1.0
+
+    leaves, spec = flatten_batch(WithInitVar(torch.ones(2)))
+    assert len(leaves) == 1 and type(unflatten_batch(leaves, spec)) is WithInitVar

@@ -7,6 +7,7 @@ from megastrategy.cuda_graphs.component import CudaGraphs
 from megastrategy.ddp.buffer_sync import BufferBroadcast
 from megastrategy.ddp.component import GradientBuffers
 from megastrategy.ddp.nonfinite_guard import NonFiniteGuard
+from megastrategy.ddp.sync_batchnorm import SyncBatchNormLayers
 from megastrategy.layers.components import Recompute, SequenceParallel, TensorParallel, TransformerEngine
 from megastrategy.moe.component import ExpertParallel
 from megastrategy.pipeline.component import Pipeline
@@ -14,5 +15,5 @@ from megastrategy.runtime import BatchBroadcast, Watchdog
 
 __all__ = [
     "AveragedCopies", "BatchBroadcast", "BufferBroadcast", "Checkpoints", "ContextParallelComponent", "CudaGraphs", "ExpertParallel", "GradientBuffers", "NonFiniteGuard", "Pipeline",
-    "Recompute", "SequenceParallel", "TensorParallel", "TransformerEngine", "Watchdog",
+    "Recompute", "SequenceParallel", "SyncBatchNormLayers", "TensorParallel", "TransformerEngine", "Watchdog",
 ]

@@ -4,13 +4,16 @@
 which ``DataCollatorWithPadding`` and the MLM collators return, or a ``UserDict``) as one opaque
 leaf, so its tensors could be neither split into microbatches nor broadcast as tensors. Here
 such mappings are walked like dicts and rebuilt as their own type afterwards, without
-registering anything in torch's global pytree registry. The description of the structure is
+registering anything in torch's global pytree registry. Dataclass batches (Lightning's
+``apply_to_collection`` moves them to the device, so users return them from ``collate_fn``) are
+walked field by field the same way and rebuilt by calling their class with the fields, when every
+field is an ``__init__`` argument; otherwise they stay one leaf. The description of the structure is
 plain data, so it can travel to other ranks with the batch.
 """
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, fields, is_dataclass
 from typing import Any, Optional
 
 from torch.utils._pytree import SUPPORTED_NODES, TreeSpec, tree_flatten, tree_unflatten
@@ -42,8 +45,20 @@ def _foreign(obj: Any) -> bool:
     return isinstance(obj, Mapping) and type(obj) not in SUPPORTED_NODES
 
 
+def _walked_dataclass(obj: Any) -> bool:
+    """A dataclass instance its class can rebuild from its fields (no ``init=False`` field, no ``InitVar``)."""
+    if not is_dataclass(obj) or isinstance(obj, type):
+        return False
+    return all(f.init for f in fields(obj)) and len(fields(obj)) == len(obj.__dataclass_fields__)
+
+
 def _plain(obj: Any) -> tuple[Any, Optional[tuple]]:
-    """``obj`` with foreign mappings turned into dicts; ``kinds`` records where (None: nothing to redo)."""
+    """``obj`` with foreign mappings (and dataclasses) turned into dicts; ``kinds`` records where
+    (None: nothing to redo)."""
+    if _walked_dataclass(obj):
+        parts = {f.name: _plain(getattr(obj, f.name)) for f in fields(obj)}
+        inner = {k: kind for k, (_, kind) in parts.items() if kind is not None}
+        return {k: p for k, (p, _) in parts.items()}, ("dataclass", type(obj), inner)
     if _foreign(obj) or type(obj) is dict:
         parts = {k: _plain(v) for k, v in obj.items()}
         inner = {k: kind for k, (_, kind) in parts.items() if kind is not None}
@@ -68,6 +83,8 @@ def _restore(plain: Any, kinds: Optional[tuple]) -> Any:
     items = {k: _restore(v, inner.get(k)) for k, v in plain.items()}
     if kinds[0] == "dict":
         return items
+    if kinds[0] == "dataclass":
+        return kinds[1](**items)
     try:
         return kinds[1](items)
     except TypeError:  # a mapping type that cannot be built from a dict stays a dict

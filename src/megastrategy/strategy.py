@@ -91,6 +91,7 @@ class MegatronStrategy(LightningStepMethods, CheckpointMethods, ReplicaCollectiv
             parts.ExpertParallel(c),
             parts.CudaGraphs(c),
             parts.AveragedCopies(c),  # after every component that splits the model, before the grad buffer
+            parts.SyncBatchNormLayers(c, lambda: self._layer_sync is not None),  # Trainer(sync_batchnorm=True)
             parts.BufferBroadcast(c, self._ddp_kwargs.get("broadcast_buffers", True)),
             self.grad_buffers,
             self.checkpoints,

@@ -553,8 +553,15 @@ def iter_microbatches(batch: Any, num_microbatches: int) -> Iterator[Any]:
     """Split every tensor of ``batch`` along dim 0 into ``num_microbatches`` equal parts."""
     leaves, spec = flatten_batch(batch)
     sizes = {leaf.shape[0] for leaf in leaves if isinstance(leaf, torch.Tensor) and leaf.dim() > 0}
+    if not sizes and num_microbatches == 1:
+        yield batch  # the whole batch is the one microbatch: nothing to find in it
+        return
     if not sizes:
-        raise MegatronConfigError("the batch holds no tensor to split into microbatches.")
+        raise MegatronConfigError(
+            f"pp>1 with num_microbatches={num_microbatches}: the batch ({type(batch).__name__}) holds no tensor "
+            "that can be split into microbatches along dim 0 (tensors are found in dicts, lists, tuples, "
+            "mappings and dataclasses; other classes, such as one a collate_fn or transfer_batch_to_device "
+            "returns, are opaque). Return the batch as a dict or a dataclass of tensors, or pass num_microbatches=1.")
     if len(sizes) > 1:
         raise MegatronConfigError(
             f"the batch's tensors have different sizes along dim 0 ({sorted(sizes)}); microbatching splits "

@@ -75,7 +75,7 @@ class StepRunner:
         self._hooks = {h: [c for c in components if overrides(c, h)] for h in _STEP_HOOKS}
         self._metric_paths: Optional[dict[int, str]] = None  # id(metric) -> attribute path
         self._capture: Optional[Any] = None  # this step's log capture (pipelined steps only)
-        self._ragged_sizes_told: set[int] = set()  # training batch sizes run with fewer microbatches, warned once
+        self._ragged_sizes_told: set = set()  # batch sizes (or opaque batch types) run with fewer microbatches, warned once
         self._token_means = token_means  # the batch's token means over microbatches (pipelined steps)
 
     @classmethod
@@ -161,9 +161,22 @@ class StepRunner:
             raise MegatronConfigError(
                 f"{step_name} received keyword arguments {sorted(kwargs)}; pipelining passes (batch, batch_idx)."
             )
+        if not _tensor_sizes(batch):
+            self._tell_opaque(batch)
+            return [batch]  # one microbatch: one device's result, without the pipeline's overlap
         size = _leading_size(batch)
         m = self._training_microbatches(size) if step_name == "training_step" else _eval_microbatches(size, self.num_microbatches)
         return list(iter_microbatches(batch, m))
+
+    def _tell_opaque(self, batch: Any) -> None:
+        """Said once per batch type: a batch whose tensors the splitter cannot see runs whole."""
+        if self.num_microbatches > 1 and type(batch) not in self._ragged_sizes_told:
+            self._ragged_sizes_told.add(type(batch))
+            log_on_rank_zero(_log, logging.WARNING, (
+                f"megastrategy: the batch ({type(batch).__name__}) holds no tensor that can be split along dim 0 "
+                f"(tensors are found in dicts, lists, tuples, mappings and dataclasses), so it runs as one microbatch "
+                f"instead of num_microbatches={self.num_microbatches}: the same losses, a longer pipeline bubble. "
+                f"Return a dict or a dataclass of tensors from collate_fn / transfer_batch_to_device to pipeline it."))
 
     def _training_microbatches(self, size: int) -> int:
         """``num_microbatches``, or fewer for a batch it does not divide (said once per size)."""
@@ -372,7 +385,11 @@ def _eval_microbatches(size: int, wanted: int) -> int:
     return max(d for d in range(1, min(wanted, size) + 1) if size % d == 0)
 
 
+def _tensor_sizes(batch: Any) -> list[int]:
+    return [x.shape[0] for x in flatten_batch(batch)[0] if isinstance(x, torch.Tensor) and x.dim() > 0]
+
+
 def _leading_size(batch: Any) -> int:
     """The batch size: dim 0 of the batch's first tensor with a dim (1 when there is none)."""
-    sizes = [x.shape[0] for x in flatten_batch(batch)[0] if isinstance(x, torch.Tensor) and x.dim() > 0]
+    sizes = _tensor_sizes(batch)
     return sizes[0] if sizes else 1

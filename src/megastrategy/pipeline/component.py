@@ -20,6 +20,7 @@ from megastrategy.pipeline.layer_assignment import assign_layers
 from megastrategy.pipeline.parallel_lists import refuse_parallel_lists
 from megastrategy.pipeline.schedule_choice import schedule_placement
 from megastrategy.pipeline.schedules import validate_schedule
+from megastrategy.pipeline.stand_in_probe import refuse_stand_in_values
 from megastrategy.pipeline.zero_bubble_v import check_zb_v
 from megastrategy.pipeline.generation_guard import refuse_generation
 from megastrategy.pipeline.stage import cut_stage
@@ -59,6 +60,8 @@ class Pipeline(Component):
         refusal = loop_state_refusal(order, anatomy.stack_path, assignment)
         if refusal is not None:
             raise MegatronConfigError(f"pp={self.pp}: {refusal}")
+        placed = ModelAnatomy.of(module, anatomy.stack_path, order.called if order is not None else None)
+        refuse_stand_in_values(module, placed, order, assignment, self.placement)
         if self.schedule == "zb_v":
             check_zb_v(self.num_microbatches, self.pp)
         elif self.vp > 1:

@@ -120,13 +120,14 @@ def dry_run_twin(module: nn.Module, stack_path: str) -> Optional[tuple[nn.Module
     return twin, inputs, prefix, ()
 
 
-def dry_run_variants(twin: nn.Module, inputs: dict) -> Iterator[tuple[dict, Any]]:
+def dry_run_variants(twin: nn.Module, inputs: dict, answer: Any = None) -> Iterator[tuple[dict, Any]]:
     """``(inputs, context)`` to try the twin with, each after the previous failed (the caller stops
     at the first that runs). SDPA's mask shortcut reads the padding mask's values (BART's decoder
     builds one), which meta tensors have not: eager attention calls the same modules in the same
     order. Eager masks still ask whether the padding mask is all ones (Canine, RoFormer build an
     all-ones mask themselves): the last try answers every such question on a meta tensor "yes",
-    which picks the no-padding path the dry run's all-ones inputs would take anyway."""
+    which picks the no-padding path the dry run's all-ones inputs would take anyway. ``answer``: a
+    callable saying whether to answer now (default: always)."""
     yield inputs, contextlib.nullcontext()
     if not callable(getattr(twin, "set_attn_implementation", None)):
         return
@@ -135,14 +136,18 @@ def dry_run_variants(twin: nn.Module, inputs: dict) -> Iterator[tuple[dict, Any]
     except Exception:  # noqa: BLE001 - a model without eager attention keeps registration order
         return
     yield inputs, contextlib.nullcontext()
-    yield inputs, _MetaTruth()
+    yield inputs, _MetaTruth(answer)
 
 
 class _MetaTruth(TorchFunctionMode):
     """Answers ``bool(meta tensor)`` with ``True`` (a meta tensor has no value to read)."""
 
+    def __init__(self, answer: Any = None):
+        super().__init__()
+        self._answer = answer or (lambda: True)
+
     def __torch_function__(self, func, types, args=(), kwargs=None):
-        if func is torch.Tensor.__bool__ and args and getattr(args[0], "is_meta", False):
+        if func is torch.Tensor.__bool__ and args and getattr(args[0], "is_meta", False) and self._answer():
             return True
         return func(*args, **(kwargs or {}))
 

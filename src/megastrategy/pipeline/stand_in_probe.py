@@ -56,12 +56,19 @@ def refuse_stand_in_values(module: nn.Module, anatomy: ModelAnatomy, order: Opti
         except MegatronConfigError:
             raise
         except Exception as exc:  # noqa: BLE001 - a forward that needs real data tells nothing
-            failure = probe.failed_in and (probe.failed_in, exc)
+            failure = (probe.failed_in, exc) if probe.failed_in and _reads_meta_values(exc) else None
         finally:
             probe.remove()
     if failure is not None:
         name, exc = failure
         raise MegatronConfigError(no_meta_run_message(prefix + name, twin.get_submodule(name), exc)) from exc
+
+
+def _reads_meta_values(exc: Exception) -> bool:
+    """Whether ``exc`` says an op needed the values of a meta tensor (I-BERT's ``.item()``), which
+    the stand-in's meta run would need too; a shape error says only that the dry run's made-up input
+    (its image size, say) is not the user's, so it tells nothing."""
+    return isinstance(exc, (RuntimeError, NotImplementedError)) and "meta" in str(exc).lower()
 
 
 def _later_stage_blocks(assignment: list[list[list[int]]], placement: Optional[StagePlacement]) -> dict[int, bool]:

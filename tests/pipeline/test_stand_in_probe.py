@@ -1,11 +1,9 @@
 """Setup refuses what the first step's stand-in checks would refuse (a value computed before the
 stack read past the cut; a module before the stack that needs values on the meta device), so the
 user loses no launch; what the step would accept passes."""
-import math
 from types import SimpleNamespace
 
 import pytest
-import torch
 from torch import nn
 
 from megastrategy.anatomy import ModelAnatomy
@@ -15,15 +13,7 @@ from megastrategy.pipeline.component import Pipeline
 from megastrategy.pipeline.forward_order import record_forward_order
 from megastrategy.pipeline.layer_assignment import assign_layers
 from megastrategy.pipeline.stand_in_probe import refuse_stand_in_values
-
-
-class _Block(nn.Module):
-    def __init__(self, d: int):
-        super().__init__()
-        self.lin = nn.Linear(d, d)
-
-    def forward(self, x, bias=None):
-        return x + torch.tanh(self.lin(x)) + (0 if bias is None else bias)
+from tests.pipeline.test_stand_in_values import _Model  # embedding, 4 blocks, head; the embedding's side use
 
 
 class _ValueReadingEmbedding(nn.Embedding):
@@ -35,26 +25,13 @@ class _ValueReadingEmbedding(nn.Embedding):
         return super().forward(ids)
 
 
-class _TokenModel(nn.Module):
-    """A token-id model (``config.vocab_size``: the dry run runs it): an embedding, 4 blocks, a head.
-    ``side``: where the embedding also goes (nowhere, every block's second input, the head)."""
+class _TokenModel(_Model):
+    """test_stand_in_values's model as a token-id model (``config.vocab_size``: the dry run runs it)."""
 
     def __init__(self, side: str = "none", embedding: type = nn.Embedding):
-        super().__init__()
+        super().__init__(side)
         self.config = SimpleNamespace(vocab_size=10)
         self.embed = embedding(10, 4)
-        self.blocks = nn.ModuleList(_Block(4) for _ in range(4))
-        self.head = nn.Linear(4, 2)
-        self.side = side
-
-    def forward(self, ids):
-        e = self.embed(ids)
-        h = e * math.sqrt(4)
-        mask = torch.ones(h.shape[:2], dtype=h.dtype, device=h.device)  # from the shape only: fine
-        bias = h if self.side == "block" else None
-        for block in self.blocks:
-            h = block(h, bias)
-        return self.head(h + e if self.side == "head" else h) * mask[..., None]
 
 
 def _probe(model: nn.Module, pp: int = 2) -> None:

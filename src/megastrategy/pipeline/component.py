@@ -40,6 +40,7 @@ class Pipeline(Component):
         self._embedding_group = self._pp_group = None
         self._order: Optional[ForwardOrder] = None
         self._order_of: Optional[int] = None  # id of the module the dry run ran on
+        self._probed_of: Optional[int] = None  # id of the module the stand-in probe passed
 
     def validate(self, module: nn.Module, layout) -> None:
         """Pipeline errors (stack, layer counts, schedule) before any collective."""
@@ -60,8 +61,10 @@ class Pipeline(Component):
         refusal = loop_state_refusal(order, anatomy.stack_path, assignment)
         if refusal is not None:
             raise MegatronConfigError(f"pp={self.pp}: {refusal}")
-        placed = ModelAnatomy.of(module, anatomy.stack_path, order.called if order is not None else None)
-        refuse_stand_in_values(module, placed, order, assignment, self.placement)
+        if self._probed_of != id(module):  # apply() validates again: the probe's meta run is done once
+            placed = ModelAnatomy.of(module, anatomy.stack_path, order.called if order is not None else None)
+            refuse_stand_in_values(module, placed, order, assignment, self.placement)
+            self._probed_of = id(module)
         if self.schedule == "zb_v":
             check_zb_v(self.num_microbatches, self.pp)
         elif self.vp > 1:

@@ -45,6 +45,7 @@ def refuse_stand_in_values(module: nn.Module, anatomy: ModelAnatomy, order: Opti
     failure, active = None, []
     # a stand-in's meta run answers no question on values (inside one the twin must not either)
     for variant, mode in dry_run_variants(twin, inputs, answer=lambda: not active):
+        active.clear()  # a failed try may have left a stand-in entered
         probe = _Probe(twin, anatomy.stack_path[len(prefix):], stand_ins, later, prefix, active,
                        carried=order.carried if order else ())
         probe.check_inputs_of([o.name[len(prefix):] for o in anatomy.post
@@ -71,11 +72,12 @@ def _reads_meta_values(exc: Exception) -> bool:
     return isinstance(exc, (RuntimeError, NotImplementedError)) and "meta" in str(exc).lower()
 
 
-def _later_stage_blocks(assignment: list[list[list[int]]], placement: Optional[StagePlacement]) -> dict[int, bool]:
-    """Block index -> whether it starts its chunk, for the blocks of every stage after the first."""
+def _later_stage_blocks(assignment: list[list[list[int]]], placement: Optional[StagePlacement]) -> dict[int, tuple[bool, int]]:
+    """Block index -> (whether it starts its chunk, its pipeline rank), for the blocks of every
+    stage after the first."""
     pp, vp = len(assignment), max(len(chunks) for chunks in assignment)
     where = placement or StagePlacement.build("ring", pp, vp)
-    return {block: i == 0 for rank, chunks in enumerate(assignment) for c, chunk in enumerate(chunks)
+    return {block: (i == 0, rank) for rank, chunks in enumerate(assignment) for c, chunk in enumerate(chunks)
             if where.stage(rank, c) != 0 for i, block in enumerate(chunk)}
 
 
@@ -92,15 +94,17 @@ class _Probe:
             self._handles.append(sub.register_forward_pre_hook(lambda m, a, n=name: self._active.append(n)))
             self._handles.append(sub.register_forward_hook(self._marker(prefix + name)))
         stack = twin.get_submodule(stack_rel)
-        for index, starts in later.items():
+        self._last_rank = max((rank for _, rank in later.values()), default=1)
+        for index, (starts, rank) in later.items():
             where = f"{prefix}{stack_rel}.{index} (on its inputs)"
-            self._handles.append(stack[index].register_forward_pre_hook(self._checker(where, starts), with_kwargs=True))
+            check = self._checker(where, starts, rank)
+            self._handles.append(stack[index].register_forward_pre_hook(check, with_kwargs=True))
 
     def check_inputs_of(self, names: list[str]) -> None:
         """Refuse a mark reaching these modules (the ones after the stack, on the last stage)."""
         for name in names:
             where = f"{self._prefix}{name} (on its inputs)"
-            hook = lambda m, a, k, w=where: refuse_if_marked((a, k), w, 1)  # noqa: E731
+            hook = lambda m, a, k, w=where: refuse_if_marked((a, k), w, self._last_rank)  # noqa: E731
             self._handles.append(self.twin.get_submodule(name).register_forward_pre_hook(hook, with_kwargs=True))
 
     def _marker(self, name: str):
@@ -110,13 +114,13 @@ class _Probe:
 
         return hook
 
-    def _checker(self, where: str, starts: bool):
+    def _checker(self, where: str, starts: bool, rank: int):
         def hook(block, args, kwargs):
             if starts:  # the previous stage's activation (and what it carries) replaces these
                 args = (_plain(args[0]), *args[1:]) if args else args
                 kwargs = {k: _plain(v) if (k in self._carried or (not args and i == 0)) else v
                           for i, (k, v) in enumerate(kwargs.items())}
-            refuse_if_marked((args, kwargs), where, 1)
+            refuse_if_marked((args, kwargs), where, rank)
             return args, kwargs
 
         return hook
@@ -128,7 +132,7 @@ class _Probe:
         except Exception:
             self.failed_in = self._active[-1] if self._active else None
             raise
-        refuse_if_marked(_logits(output), "the model's output on the last stage", 1)
+        refuse_if_marked(_logits(output), "the model's output on the last stage", self._last_rank)
 
     def remove(self) -> None:
         for handle in self._handles:

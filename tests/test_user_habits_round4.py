@@ -35,15 +35,18 @@ SPLIT = ["summary", "predict-writer", "predict-structure", "manual-clip", "no-de
          "on-exception-checkpoint", "lr-monitor-momentum", "throughput", "batch-size-finder",
          "summary-example-input", "summary-rich"]
 DATA = ["boring", "autoencoder", "summary", "predict-writer", "manual-clip", "pruning", "on-exception-checkpoint", "throughput"]
+#: at tp2·pp2 (4 processes), the habits whose numbers a split of both kinds could get wrong
+TP_PP = ["summary", "predict-writer", "manual-clip", "no-decay", "module-misc", "throughput"]
 LAUNCHES = {  # layout: (processes, strategy arguments, habits)
     "ddp": (1, ["--strategy", "ddp"], SPLIT + ["autoencoder", "manual-clip-manual-optimization"]),
     "tp2": (2, ["--strategy", "megatron", "--tp", "2"],
             SPLIT + ["boring", "autoencoder", "autoencoder-plan", "manual-clip-manual-optimization"]),
     "pp2": (2, ["--strategy", "megatron", "--pp", "2"], SPLIT + ["boring"]),
+    "tp2pp2": (4, ["--strategy", "megatron", "--tp", "2", "--pp", "2"], TP_PP),
     "ddp2": (2, ["--strategy", "ddp", "--dp", "2"], DATA),
     "dp2": (2, ["--strategy", "megatron", "--dp", "2"], DATA),
 }
-REFERENCE = {"tp2": "ddp", "pp2": "ddp", "dp2": "ddp2"}
+REFERENCE = {"tp2": "ddp", "pp2": "ddp", "tp2pp2": "ddp", "dp2": "ddp2"}
 
 
 @lru_cache(maxsize=None)
@@ -146,3 +149,24 @@ def test_throughput_monitor_counts_replicas_not_processes(layout):
     assert ours["columns"] == ref["columns"] and ours["replicas"] == ref["replicas"] and ours["samples"] == ref["samples"]
     if layout != "dp2":
         assert _run(layout)["batch-size-finder"]["error"] == _run("ddp")["batch-size-finder"]["error"]
+
+
+def test_habits_at_tp2_pp2_match_one_device():
+    """Both splits at once (4 processes), against the same one-process DDP run as tp2 and pp2."""
+    ours, ref = _pair("tp2pp2", "summary")
+    assert ours["counts"] == ref["counts"]
+    ours, ref = _pair("tp2pp2", "predict-writer")
+    assert ours["batch_indices"] == ref["batch_indices"]
+    for key in ("returned", "written"):
+        assert [len(x) for x in ours[key]] == [len(x) for x in ref[key]]
+        _close([v for x in ours[key] for v in x], [v for x in ref[key] for v in x])
+    ours, ref = _pair("tp2pp2", "manual-clip")
+    _close(ours["losses"], ref["losses"])
+    _close(ours["norms"], ref["norms"], tol=1e-4)
+    _close(*(r["losses"] for r in _pair("tp2pp2", "no-decay")))
+    ours, ref = _pair("tp2pp2", "module-misc")
+    _close(ours["losses"], ref["losses"])
+    assert ours["estimated_stepping_batches"] == ref["estimated_stepping_batches"]
+    assert len(ours["reduced"]) == 2 * len(ref["reduced"])  # per microbatch under pp (README)
+    ours, ref = _pair("tp2pp2", "throughput")
+    assert ours["columns"] == ref["columns"] and ours["replicas"] == ref["replicas"] and ours["samples"] == ref["samples"]

@@ -112,6 +112,7 @@ class HFModule(L.LightningModule):
 class Recorder(Callback):
     def __init__(self):
         self.losses, self.val_loss, self.sources, self.numel = [], None, [], 0
+        self.batches_started = 0  # 0 in a refusal's result: it came in setup, before any work was lost
 
     def on_train_start(self, trainer, pl_module):
         self.numel = sum(p.numel() for p in pl_module.parameters())  # what rank 0 holds: shows a split
@@ -119,6 +120,9 @@ class Recorder(Callback):
         tensor_parallel = component and component(_tensor_parallel_type())
         if tensor_parallel is not None:
             self.sources = sorted({e.source for e in tensor_parallel.plan.sharded})
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        self.batches_started += 1
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         self.losses.append(float(outputs["loss"]))
@@ -155,7 +159,7 @@ def train_one(arch: str, task: str, strategy_name: str, tp: int, pp: int, world_
     try:
         trainer.fit(module)
     except MegatronConfigError as e:
-        return {"error": str(e)}
+        return {"error": str(e), "batches_started": rec.batches_started}
     except Exception as e:  # noqa: BLE001 - only with --keep-going (probing): a crash is recorded, not raised
         if not keep_going:
             raise

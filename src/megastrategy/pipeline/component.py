@@ -20,6 +20,7 @@ from megastrategy.pipeline.layer_assignment import assign_layers
 from megastrategy.pipeline.parallel_lists import refuse_parallel_lists
 from megastrategy.pipeline.schedule_choice import schedule_placement
 from megastrategy.pipeline.schedules import validate_schedule
+from megastrategy.pipeline.stand_in_probe import refuse_stand_in_values
 from megastrategy.pipeline.zero_bubble_v import check_zb_v
 from megastrategy.pipeline.generation_guard import refuse_generation
 from megastrategy.pipeline.stage import cut_stage
@@ -39,6 +40,7 @@ class Pipeline(Component):
         self._embedding_group = self._pp_group = None
         self._order: Optional[ForwardOrder] = None
         self._order_of: Optional[int] = None  # id of the module the dry run ran on
+        self._probed_of: Optional[int] = None  # id of the module the stand-in probe passed
 
     def validate(self, module: nn.Module, layout) -> None:
         """Pipeline errors (stack, layer counts, schedule) before any collective."""
@@ -59,6 +61,10 @@ class Pipeline(Component):
         refusal = loop_state_refusal(order, anatomy.stack_path, assignment)
         if refusal is not None:
             raise MegatronConfigError(f"pp={self.pp}: {refusal}")
+        if self._probed_of != id(module):  # apply() validates again: the probe's meta run is done once
+            placed = ModelAnatomy.of(module, anatomy.stack_path, order.called if order is not None else None)
+            refuse_stand_in_values(module, placed, order, assignment, self.placement)
+            self._probed_of = id(module)
         if self.schedule == "zb_v":
             check_zb_v(self.num_microbatches, self.pp)
         elif self.vp > 1:

@@ -18,18 +18,21 @@ pipeline stage does not run, so no stage may start there (:func:`loop_state_refu
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import inspect
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
 import torch
 from torch import nn
+from torch.overrides import TorchFunctionMode
 
 from megastrategy.anatomy import find_hf_model
 from megastrategy.layers.random_ids_forward import random_main_input
 
-__all__ = ["ForwardOrder", "MetaAttributes", "block_outputs", "loop_state_refusal", "meta_copy", "record_forward_order"]
+__all__ = ["ForwardOrder", "MetaAttributes", "block_outputs", "dry_run_twin", "dry_run_variants", "loop_state_refusal",
+           "meta_copy", "record_forward_order"]
 
 
 @dataclass(frozen=True)
@@ -79,10 +82,25 @@ class MetaAttributes:
 def record_forward_order(module: nn.Module, stack_path: str) -> Optional[ForwardOrder]:
     """Dry-run the Hugging Face model holding ``stack_path``; ``None`` when there is none (or it
     cannot run on the meta device), in which case registration order is used."""
+    dry = dry_run_twin(module, stack_path)
+    if dry is None:
+        return None
+    twin, inputs, prefix, args = dry
+    for variant, mode in dry_run_variants(twin, inputs):
+        with mode:
+            order = _run(twin, variant, prefix, stack_path[len(prefix):], args)
+        if order is not None:
+            return order
+    return None
+
+
+def dry_run_twin(module: nn.Module, stack_path: str) -> Optional[tuple[nn.Module, dict, str, tuple]]:
+    """A meta copy of the model holding ``stack_path`` and what to call it with: ``(twin, keyword
+    inputs, the twin's dotted prefix in module, positional inputs)``; ``None`` when there is none."""
     hf_path, hf = find_hf_model(module)
     prefix = f"{hf_path}." if hf_path else ""
     if hf is None:
-        return _token_model_order(module, stack_path)
+        return _token_model_twin(module, stack_path)
     if not stack_path.startswith(prefix) or not hasattr(hf, "dummy_inputs"):
         return None
     try:
@@ -94,21 +112,45 @@ def record_forward_order(module: nn.Module, stack_path: str) -> Optional[Forward
         if main not in inputs and main in accepted:  # pixels, a waveform, mel features
             inputs[main] = random_main_input(main, hf.config, torch.Generator()).to("meta")
         if getattr(twin, "config", None) is not None:  # the copy's own config: no pad-token check reading values
-            twin.config.pad_token_id = None
+            with contextlib.suppress(Exception):  # a strict config (NomicBERT's) wants an int: the check stays
+                twin.config.pad_token_id = None
             if getattr(twin.config, "_experts_implementation", None) == "grouped_mm":  # its meta kernel wants bf16
                 twin.config._experts_implementation = "batched_mm"  # MoE blocks (DeepSeek-V3, GPT-OSS) run on meta
     except Exception:  # noqa: BLE001 - an uncopyable model keeps registration order
         return None
-    order = _run(twin, inputs, prefix, stack_path[len(prefix):])
-    if order is None and callable(getattr(twin, "set_attn_implementation", None)):
-        # SDPA's mask shortcut reads the padding mask's values (BART's decoder builds one), which meta
-        # tensors have not; eager attention calls the same modules in the same order
-        try:
-            twin.set_attn_implementation("eager")
-        except Exception:  # noqa: BLE001 - a model without eager attention keeps registration order
-            return None
-        order = _run(twin, inputs, prefix, stack_path[len(prefix):])
-    return order
+    return twin, inputs, prefix, ()
+
+
+def dry_run_variants(twin: nn.Module, inputs: dict, answer: Any = None) -> Iterator[tuple[dict, Any]]:
+    """``(inputs, context)`` to try the twin with, each after the previous failed (the caller stops
+    at the first that runs). SDPA's mask shortcut reads the padding mask's values (BART's decoder
+    builds one), which meta tensors have not: eager attention calls the same modules in the same
+    order. Eager masks still ask whether the padding mask is all ones (Canine, RoFormer build an
+    all-ones mask themselves): the last try answers every such question on a meta tensor "yes",
+    which picks the no-padding path the dry run's all-ones inputs would take anyway. ``answer``: a
+    callable saying whether to answer now (default: always)."""
+    yield inputs, contextlib.nullcontext()
+    if not callable(getattr(twin, "set_attn_implementation", None)):
+        return
+    try:
+        twin.set_attn_implementation("eager")
+    except Exception:  # noqa: BLE001 - a model without eager attention keeps registration order
+        return
+    yield inputs, contextlib.nullcontext()
+    yield inputs, _MetaTruth(answer)
+
+
+class _MetaTruth(TorchFunctionMode):
+    """Answers ``bool(meta tensor)`` with ``True`` (a meta tensor has no value to read)."""
+
+    def __init__(self, answer: Any = None):
+        super().__init__()
+        self._answer = answer or (lambda: True)
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func is torch.Tensor.__bool__ and args and getattr(args[0], "is_meta", False) and self._answer():
+            return True
+        return func(*args, **(kwargs or {}))
 
 
 def _token_model(module: nn.Module, stack_path: str) -> tuple[str, Optional[nn.Module]]:
@@ -126,20 +168,18 @@ def _token_model(module: nn.Module, stack_path: str) -> tuple[str, Optional[nn.M
     return "", None
 
 
-def _token_model_order(module: nn.Module, stack_path: str) -> Optional[ForwardOrder]:
-    """Dry-run a token-id model that is not a Hugging Face one (LitGPT registers ``lm_head``
-    before ``transformer``, so registration order would put the head on the first stage) on
-    random ids of shape ``[2, 8]``, positionally; ``None`` when there is none or it cannot run so."""
+def _token_model_twin(module: nn.Module, stack_path: str) -> Optional[tuple[nn.Module, dict, str, tuple]]:
+    """A token-id model that is not a Hugging Face one (LitGPT registers ``lm_head`` before
+    ``transformer``, so registration order would put the head on the first stage), to run on random
+    ids of shape ``[2, 8]``, positionally; ``None`` when there is none or it cannot be copied."""
     path, holder = _token_model(module, stack_path)
     if holder is None:
         return None
-    prefix = f"{path}." if path else ""
     try:
         twin = meta_copy(holder)
     except Exception:  # noqa: BLE001 - an uncopyable model keeps registration order
         return None
-    ids = torch.zeros(2, 8, dtype=torch.long, device="meta")
-    return _run(twin, {}, prefix, stack_path[len(prefix):], args=(ids,))
+    return twin, {}, f"{path}." if path else "", (torch.zeros(2, 8, dtype=torch.long, device="meta"),)
 
 
 def _run(twin: nn.Module, inputs: dict, prefix: str, stack_rel: str, args: tuple = ()) -> Optional[ForwardOrder]:

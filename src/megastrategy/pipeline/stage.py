@@ -160,7 +160,7 @@ class MetaStandIn(MetaAttributes, nn.Module):
                 with torch.no_grad():
                     out = self._meta[0](*tree_map(to_meta, args), **tree_map(to_meta, kwargs))
             except (RuntimeError, NotImplementedError) as exc:
-                raise MegatronConfigError(_no_meta_run(self._name, self._meta[0], exc)) from exc
+                raise MegatronConfigError(no_meta_run_message(self._name, self._meta[0], exc)) from exc
             finally:
                 self._running = False
             if key is not None:
@@ -175,7 +175,7 @@ class MetaStandIn(MetaAttributes, nn.Module):
         return mark(zeros, [self._name]) if marked else zeros
 
 
-def _no_meta_run(name: str, module: nn.Module, exc: Exception) -> str:
+def no_meta_run_message(name: str, module: nn.Module, exc: Exception) -> str:
     """Why a module before the stack cannot be stood in for (I-BERT's quantized embeddings read values)."""
     first = (str(exc).strip().splitlines() or ["(no message)"])[0]
     return (f"{name} ({type(module).__name__}) runs before the pipeline layer stack; the stages after the first "

@@ -263,6 +263,10 @@ class Unreachable(nn.Module):
 
     __getitem__ = __iter__ = __len__ = _indexed
 
+    def __bool__(self) -> bool:
+        """``if self.pooler:`` still sees a module (``bool`` would otherwise ask ``__len__``)."""
+        return True
+
 
 def misplaced_call(name: str, placed: str, by_registration: bool) -> str:
     """Why a module placed on one side of the layer stack cannot run on the other, and the fix."""

@@ -136,7 +136,9 @@ class StepRunner:
         user_step = self._user_step(getattr(module, step_name), microbatches, args[1:], kwargs, step)
         if self.pipelined:
             with self._token_means_over(step, microbatches):
-                result = self._run_pipelined(module, step, user_step, outputs, [_leading_size(m) for m in microbatches])
+                # microbatches are equal parts of the batch: one size for all
+                sizes = [_leading_size(microbatches[0])] * len(microbatches)
+                result = self._run_pipelined(module, step, user_step, outputs, sizes)
             loss = _user_loss(result) if step.training else None
             if backward_hooks is not None and loss is not None:
                 backward_hooks(loss / step.accumulate_grad_batches if step.accumulate_grad_batches > 1 else loss)
@@ -161,10 +163,11 @@ class StepRunner:
             raise MegatronConfigError(
                 f"{step_name} received keyword arguments {sorted(kwargs)}; pipelining passes (batch, batch_idx)."
             )
-        if not _tensor_sizes(batch):
+        sizes = _tensor_sizes(batch)
+        if not sizes:
             self._tell_opaque(batch)
             return [batch]  # one microbatch: one device's result, without the pipeline's overlap
-        size = _leading_size(batch)
+        size = sizes[0]
         m = self._training_microbatches(size) if step_name == "training_step" else _eval_microbatches(size, self.num_microbatches)
         return list(iter_microbatches(batch, m))
 

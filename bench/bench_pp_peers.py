@@ -106,6 +106,19 @@ def lightning_run(hidden: int, pp: int, steps: int, callbacks: list, stages: tup
         trainer.validate(module, _batches(steps), verbose=False)
 
 
+def step_parser(doc: str, steps: int) -> argparse.ArgumentParser:
+    """The command line of the scripts that time or profile one pipelined step of this BERT."""
+    p = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--worker", help=argparse.SUPPRESS)
+    p.add_argument("--pp", type=int, default=2)
+    p.add_argument("--hidden", type=int, default=64)
+    p.add_argument("--stage", choices=["training", "validation"], default="training")
+    p.add_argument("--steps", type=int, default=steps)
+    p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--timeout", type=float, default=600)
+    return p
+
+
 def _lightning_worker(cfg: dict, rank: int) -> dict:
     timer = step_timer()
     lightning_run(cfg["hidden"], cfg["pp"], cfg["steps"], [timer])

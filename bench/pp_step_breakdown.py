@@ -23,7 +23,6 @@ to the step). Results go to bench/results/pp_step_breakdown.{json,md}.
 """
 from __future__ import annotations
 
-import argparse
 import collections
 import json
 import os
@@ -239,15 +238,7 @@ def _table(ours: list[dict], theirs: list[dict]) -> tuple[list[str], list[list[s
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--worker", help=argparse.SUPPRESS)
-    p.add_argument("--pp", type=int, default=2)
-    p.add_argument("--hidden", type=int, default=64)
-    p.add_argument("--stage", choices=["training", "validation"], default="training")
-    p.add_argument("--steps", type=int, default=30)
-    p.add_argument("--warmup", type=int, default=5)
-    p.add_argument("--timeout", type=float, default=600)
-    args = p.parse_args()
+    args = peers.step_parser(__doc__, steps=30).parse_args()
     if args.worker:
         return worker(json.loads(args.worker))
     cfg = {k: getattr(args, k) for k in ("pp", "hidden", "stage", "steps", "warmup")}

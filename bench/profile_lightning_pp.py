@@ -14,7 +14,6 @@ functions by self time and by cumulative time.
 """
 from __future__ import annotations
 
-import argparse
 import cProfile
 import json
 import pstats
@@ -134,15 +133,8 @@ def worker(cfg: dict) -> None:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--worker", help=argparse.SUPPRESS)
-    p.add_argument("--pp", type=int, default=2)
-    p.add_argument("--hidden", type=int, default=64)
-    p.add_argument("--stage", choices=["training", "validation"], default="training")
-    p.add_argument("--steps", type=int, default=25)
-    p.add_argument("--warmup", type=int, default=5)
+    p = peers.step_parser(__doc__, steps=25)
     p.add_argument("--top", type=int, default=25)
-    p.add_argument("--timeout", type=float, default=600)
     args = p.parse_args()
     if args.worker:
         return worker(json.loads(args.worker))

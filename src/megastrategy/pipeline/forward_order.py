@@ -108,6 +108,8 @@ def dry_run_twin(module: nn.Module, stack_path: str) -> Optional[tuple[nn.Module
         accepted = inspect.signature(hf.forward).parameters
         inputs = {k: v.to("meta") if isinstance(v, torch.Tensor) else v for k, v in dict(hf.dummy_inputs).items()
                   if k in accepted}  # T5EncoderModel's dummy inputs include the decoder's
+        if "decoder_input_ids" in accepted and "decoder_input_ids" not in inputs and "input_ids" in inputs:
+            inputs["decoder_input_ids"] = inputs["input_ids"]  # BART shifts labels with pad_token_id, unset on the twin
         main = getattr(hf, "main_input_name", "input_ids")
         if main not in inputs and main in accepted:  # pixels, a waveform, mel features
             inputs[main] = random_main_input(main, hf.config, torch.Generator()).to("meta")

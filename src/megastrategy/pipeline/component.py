@@ -18,12 +18,16 @@ from megastrategy.pipeline.batch_statistics import refuse_batch_statistics
 from megastrategy.pipeline.forward_order import ForwardOrder, loop_state_refusal, record_forward_order
 from megastrategy.pipeline.layer_assignment import assign_layers
 from megastrategy.pipeline.parallel_lists import refuse_parallel_lists
+from megastrategy.pipeline.placement import StagePlacement
 from megastrategy.pipeline.schedule_choice import schedule_placement
 from megastrategy.pipeline.schedules import validate_schedule
 from megastrategy.pipeline.stand_in_probe import refuse_stand_in_values
 from megastrategy.pipeline.zero_bubble_v import check_zb_v
 from megastrategy.pipeline.generation_guard import refuse_generation
 from megastrategy.pipeline.stage import cut_stage
+from megastrategy.pipeline.seq2seq_checks import Seq2SeqTied, refuse_seq2seq_layout
+from megastrategy.pipeline.seq2seq_layout import Seq2SeqLayout, is_encoder_decoder, seq2seq_layout
+from megastrategy.pipeline.seq2seq_stage import cut_seq2seq_stage
 
 
 class Pipeline(Component):
@@ -41,6 +45,9 @@ class Pipeline(Component):
         self._order: Optional[ForwardOrder] = None
         self._order_of: Optional[int] = None  # id of the module the dry run ran on
         self._probed_of: Optional[int] = None  # id of the module the stand-in probe passed
+        self._layout: Optional[Seq2SeqLayout] = None  # an encoder-decoder's joined stack, until the cut
+        self._layout_of: Optional[int] = None
+        self._seq2seq_tied: Optional[Seq2SeqTied] = None  # held on ranks beyond the first and last
 
     def validate(self, module: nn.Module, layout) -> None:
         """Pipeline errors (stack, layer counts, schedule) before any collective."""
@@ -52,6 +59,8 @@ class Pipeline(Component):
             )
         _refuse_what_stages_cannot_split(find_hf_model(module)[1], self.pp)
         refuse_batch_statistics(module, self.pp, self.num_microbatches)
+        if is_encoder_decoder(module):
+            return self._validate_seq2seq(module)
         anatomy = ModelAnatomy.of(module, self.pipeline_layers)
         if self.pipeline_layers is None:  # a list the user named is taken as it is
             refuse_parallel_lists(module, anatomy.stack_path, self.pp)
@@ -70,6 +79,27 @@ class Pipeline(Component):
         elif self.vp > 1:
             validate_schedule(self.num_microbatches, self.pp, self.vp)
 
+    def _validate_seq2seq(self, module: nn.Module) -> None:
+        """An encoder-decoder: its two stacks joined (:mod:`.seq2seq_layout`), split like one."""
+        if self._layout_of != id(module):
+            self._layout, self._layout_of = seq2seq_layout(module), id(module)
+        assignment = assign_layers(self._layout.num_blocks, self.pp, self.vp, self.placement)
+        refuse_seq2seq_layout(self._layout, self.schedule, self.pipeline_layers)
+        if self.vp > 1:
+            validate_schedule(self.num_microbatches, self.pp, self.vp)
+        return assignment
+
+    def _apply_seq2seq(self, module: nn.Module, ctx: SetupContext) -> None:
+        ps, layout = ctx.parallel_state, self._layout
+        assignment = self._validate_seq2seq(module)
+        self._seq2seq_tied = Seq2SeqTied.build(layout, assignment, self.placement or
+                                               StagePlacement.build("ring", self.pp, self.vp), ps.pp_rank)
+        ctx.stage = cut_seq2seq_stage(module, layout, assignment, ps.pp_rank, self.pp, self.vp, self.placement)
+        self._layout = self._layout_of = None  # it holds every module: stages must drop the ones they do not own
+        self._tied, self._shared = list(ctx.stage.tied_parameters), []
+        self._embedding_group, self._pp_group = ps.embedding_group, ps.pp_group
+        refuse_generation(module, self.pp)
+
     def _forward_order(self, module: nn.Module, stack_path: str) -> Optional[ForwardOrder]:
         """The dry run's result, found once, on the module as the user built it (before any sharding)."""
         if self._order_of != id(module):
@@ -77,6 +107,8 @@ class Pipeline(Component):
         return self._order
 
     def apply(self, module: nn.Module, ctx: SetupContext) -> None:
+        if is_encoder_decoder(module):
+            return self._apply_seq2seq(module, ctx)
         self.validate(module, None)
         ps, order = ctx.parallel_state, self._order
         called = order.called if order is not None else None
@@ -111,7 +143,9 @@ class Pipeline(Component):
         """Keep every stage's copy of a tied weight identical: sum the gradients of a tied embedding
         over the first and last stage, and of a block applied on several stages over the pipeline.
         A frozen one (a fine-tuning habit: ``wte.requires_grad_(False)``) has no gradient on any stage."""
-        if self._tied and self._embedding_group is not None:
+        if self._seq2seq_tied is not None and self._seq2seq_tied.beyond_ends:
+            self._seq2seq_tied.all_reduce(self._pp_group)
+        elif self._tied and self._embedding_group is not None:
             for p in filter(_trains, self._tied):
                 dist.all_reduce(p.main_grad, group=self._embedding_group)
         for p in filter(_trains, self._shared):
@@ -126,12 +160,6 @@ def _trains(p: nn.Parameter) -> bool:
 def _refuse_what_stages_cannot_split(hf: Optional[nn.Module], pp: int) -> None:
     """Hugging Face models whose forward needs more than one stage's blocks in one place."""
     config = getattr(hf, "config", None)
-    if getattr(config, "is_encoder_decoder", False):
-        raise MegatronConfigError(
-            f"pp={pp} with the encoder-decoder {type(hf).__name__}: pipeline stages cut "
-            "one stack of blocks, and an encoder-decoder has two (the decoder's blocks also read the encoder's "
-            "output). Use pp=1 with tp, cp and data parallelism for it."
-        )
     if getattr(config, "output_router_logits", False):
         raise MegatronConfigError(
             f"pp={pp} with {type(hf).__name__} and output_router_logits=True: its load-balancing loss is computed "

@@ -1,0 +1,146 @@
+"""Train tiny Hugging Face encoder-decoders (T5, BART, Marian, mBART, Pegasus), one after the other, in one launch.
+
+Each sits in an ordinary LightningModule: ``AutoModelForSeq2SeqLM.from_config(cfg)`` called with
+``input_ids``, ``attention_mask`` (with padding) and ``labels``, the loss computed inside the model.
+Rank 0 writes ``{model: {"train": [per-step loss], "val": val loss}}`` to ``--out``. Launched on N
+processes by tests/helpers/launch.py (``--strategy ddp`` on one is the reference).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import traceback
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import lightning as L  # noqa: E402
+import torch  # noqa: E402
+import transformers  # noqa: E402
+from lightning.pytorch.callbacks import Callback  # noqa: E402
+from lightning.pytorch.strategies import DDPStrategy  # noqa: E402
+from torch.utils.data import DataLoader, Dataset  # noqa: E402
+
+VOCAB, SRC, TGT = 96, 10, 6
+BART_LIKE = dict(d_model=32, encoder_layers=4, decoder_layers=4, encoder_attention_heads=4, decoder_attention_heads=4,
+                 encoder_ffn_dim=64, decoder_ffn_dim=64, max_position_embeddings=64)
+ARCHITECTURES = {  # name: (config class, config arguments)
+    "t5": ("T5Config", dict(d_model=32, d_ff=64, num_layers=4, num_decoder_layers=4, num_heads=4, d_kv=8,
+                            relative_attention_num_buckets=8)),
+    "bart": ("BartConfig", BART_LIKE),
+    "marian": ("MarianConfig", BART_LIKE),
+    "mbart": ("MBartConfig", BART_LIKE),
+    "pegasus": ("PegasusConfig", BART_LIKE),
+}
+
+
+def build_config(name: str):
+    config_cls, extra = ARCHITECTURES[name]
+    config = getattr(transformers, config_cls)(vocab_size=VOCAB, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+                                               decoder_start_token_id=0, **extra)
+    for key, value in config.to_dict().items():  # dropout off: the comparison is exact
+        if isinstance(value, float) and ("dropout" in key or key.endswith("_rate")) and "init" not in key:
+            setattr(config, key, 0.0)
+    return config
+
+
+class Pairs(Dataset):
+    """Source ids with right padding (a varying length per row) and target ids, padded with -100."""
+
+    def __init__(self, n: int = 32, seed: int = 3):
+        g = torch.Generator().manual_seed(seed)
+        self.ids = torch.randint(3, VOCAB, (n, SRC), generator=g)
+        lengths = torch.randint(SRC // 2, SRC + 1, (n,), generator=g)
+        self.mask = (torch.arange(SRC)[None] < lengths[:, None]).long()
+        self.ids = self.ids * self.mask
+        self.labels = torch.randint(3, VOCAB, (n, TGT), generator=g)
+        self.labels[:, -1] = -100
+
+    def __len__(self):
+        return len(self.ids)
+
+    def __getitem__(self, i):
+        return {"input_ids": self.ids[i], "attention_mask": self.mask[i], "labels": self.labels[i]}
+
+
+class Seq2SeqModule(L.LightningModule):
+    """What a user writes to fine-tune a sequence-to-sequence model."""
+
+    def __init__(self, name: str):
+        super().__init__()
+        self.model = transformers.AutoModelForSeq2SeqLM.from_config(build_config(name))
+
+    def training_step(self, batch, batch_idx):
+        loss = self.model(**batch).loss
+        self.log("train_loss", loss)
+        return loss
+
+    def validation_step(self, batch, batch_idx):
+        self.log("val_loss", self.model(**batch).loss)
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=2e-2)
+
+    def train_dataloader(self):
+        return DataLoader(Pairs(), batch_size=4)
+
+    def val_dataloader(self):
+        return DataLoader(Pairs(8, seed=5), batch_size=4)
+
+
+class Losses(Callback):
+    def __init__(self):
+        self.losses = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.losses.append(float(outputs["loss"]))
+
+
+def train(name: str, args) -> dict:
+    L.seed_everything(7, verbose=False)
+    module = Seq2SeqModule(name)
+    if args.strategy == "ddp":
+        strategy = DDPStrategy()
+    else:
+        from megastrategy import MegatronStrategy
+
+        strategy = MegatronStrategy(pp=args.pp, vp=args.vp, heartbeat_timeout=60.0)
+    losses = Losses()
+    trainer = L.Trainer(accelerator="cpu", devices=args.devices, strategy=strategy, max_steps=args.steps,
+                        callbacks=[losses], logger=False, enable_progress_bar=False, enable_model_summary=False,
+                        enable_checkpointing=False, num_sanity_val_steps=0, limit_val_batches=2,
+                        val_check_interval=args.steps)
+    trainer.fit(module)
+    return {"train": losses.losses, "val": float(trainer.callback_metrics["val_loss"])}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", required=True)
+    p.add_argument("--strategy", choices=["ddp", "megatron"], required=True)
+    p.add_argument("--models", required=True, help="comma-separated names of ARCHITECTURES")
+    p.add_argument("--pp", type=int, default=2)
+    p.add_argument("--vp", type=int, default=None)
+    p.add_argument("--steps", type=int, default=4)
+    args = p.parse_args()
+    args.devices, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])  # read once: a fit may change them
+    torch.set_num_threads(1)
+    result = {}
+    for name in args.models.split(","):
+        try:
+            result[name] = train(name, args)
+        except Exception as error:  # noqa: BLE001 - recorded: a refusal is part of what is tested
+            traceback.print_exc()
+            result[name] = {"error": type(error).__name__, "message": str(error)}
+    if rank == 0:
+        Path(args.out).write_text(json.dumps(result))
+    sys.stdout.flush()
+    torch.distributed.barrier() if torch.distributed.is_initialized() else None
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    main()

@@ -34,6 +34,10 @@ ARCHITECTURES = {  # name: (config class, config arguments)
     "marian": ("MarianConfig", BART_LIKE),
     "mbart": ("MBartConfig", BART_LIKE),
     "pegasus": ("PegasusConfig", BART_LIKE),
+    # uneven depths: at pp=2 the seam falls inside a stage (the last stage's, the first stage's)
+    "t5-6-2": ("T5Config", dict(d_model=32, d_ff=64, num_layers=6, num_decoder_layers=2, num_heads=4, d_kv=8,
+                                relative_attention_num_buckets=8)),
+    "bart-2-6": ("BartConfig", {**BART_LIKE, "encoder_layers": 2, "decoder_layers": 6}),
 }
 
 

@@ -45,8 +45,8 @@ class Pipeline(Component):
         self._order: Optional[ForwardOrder] = None
         self._order_of: Optional[int] = None  # id of the module the dry run ran on
         self._probed_of: Optional[int] = None  # id of the module the stand-in probe passed
-        self._layout: Optional[Seq2SeqLayout] = None  # an encoder-decoder's joined stack, until the cut
-        self._layout_of: Optional[int] = None
+        self._seq2seq_orders: Optional[tuple] = None  # an encoder-decoder's two dry runs (they hold no module)
+        self._seq2seq_of: Optional[int] = None
         self._seq2seq_tied: Optional[Seq2SeqTied] = None  # held on ranks beyond the first and last
 
     def validate(self, module: nn.Module, layout) -> None:
@@ -60,7 +60,8 @@ class Pipeline(Component):
         _refuse_what_stages_cannot_split(find_hf_model(module)[1], self.pp)
         refuse_batch_statistics(module, self.pp, self.num_microbatches)
         if is_encoder_decoder(module):
-            return self._validate_seq2seq(module)
+            self._validate_seq2seq(module)
+            return
         anatomy = ModelAnatomy.of(module, self.pipeline_layers)
         if self.pipeline_layers is None:  # a list the user named is taken as it is
             refuse_parallel_lists(module, anatomy.stack_path, self.pp)
@@ -79,23 +80,26 @@ class Pipeline(Component):
         elif self.vp > 1:
             validate_schedule(self.num_microbatches, self.pp, self.vp)
 
-    def _validate_seq2seq(self, module: nn.Module) -> None:
-        """An encoder-decoder: its two stacks joined (:mod:`.seq2seq_layout`), split like one."""
-        if self._layout_of != id(module):
-            self._layout, self._layout_of = seq2seq_layout(module), id(module)
-        assignment = assign_layers(self._layout.num_blocks, self.pp, self.vp, self.placement)
-        refuse_seq2seq_layout(self._layout, self.schedule, self.pipeline_layers)
+    def _validate_seq2seq(self, module: nn.Module) -> tuple[Seq2SeqLayout, list[list[list[int]]]]:
+        """An encoder-decoder: its two stacks joined (:mod:`.seq2seq_layout`), split like one. The
+        layout is found again each time (after tensor parallelism rewrote modules, apply needs them as
+        they are; it holds every module, so it is not kept), the dry runs once, on the module as built."""
+        if self._seq2seq_of != id(module):
+            self._seq2seq_orders, self._seq2seq_of = None, id(module)
+        layout = seq2seq_layout(module, self._seq2seq_orders)
+        self._seq2seq_orders = layout.orders
+        refuse_seq2seq_layout(layout, self.schedule, self.pipeline_layers)
+        assignment = assign_layers(layout.num_blocks, self.pp, self.vp, self.placement)
         if self.vp > 1:
             validate_schedule(self.num_microbatches, self.pp, self.vp)
-        return assignment
+        return layout, assignment
 
     def _apply_seq2seq(self, module: nn.Module, ctx: SetupContext) -> None:
-        ps, layout = ctx.parallel_state, self._layout
-        assignment = self._validate_seq2seq(module)
+        ps = ctx.parallel_state
+        layout, assignment = self._validate_seq2seq(module)
         self._seq2seq_tied = Seq2SeqTied.build(layout, assignment, self.placement or
                                                StagePlacement.build("ring", self.pp, self.vp), ps.pp_rank)
         ctx.stage = cut_seq2seq_stage(module, layout, assignment, ps.pp_rank, self.pp, self.vp, self.placement)
-        self._layout = self._layout_of = None  # it holds every module: stages must drop the ones they do not own
         self._tied, self._shared = list(ctx.stage.tied_parameters), []
         self._embedding_group, self._pp_group = ps.embedding_group, ps.pp_group
         refuse_generation(module, self.pp)

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import inspect
 from dataclasses import dataclass
+from typing import Optional
 from torch import nn
 
 from megastrategy.anatomy import OutsideModule, find_hf_model, get_submodule_path
@@ -45,6 +46,7 @@ class Seq2SeqLayout:
     decoder_carried: tuple[tuple[int, str], ...]
     encoder_arity: int
     decoder_arity: int
+    orders: tuple[ForwardOrder, ForwardOrder]  # the dry runs with the encoder's, the decoder's blocks as the stack
 
     @property
     def num_blocks(self) -> int:
@@ -63,12 +65,16 @@ def is_encoder_decoder(module: nn.Module) -> bool:
     return bool(getattr(getattr(hf, "config", None), "is_encoder_decoder", False))
 
 
-def seq2seq_layout(module: nn.Module) -> Seq2SeqLayout:
-    """The joined stack of the Hugging Face encoder-decoder in ``module``, or a clear refusal."""
+def seq2seq_layout(module: nn.Module, orders: Optional[tuple[ForwardOrder, ForwardOrder]] = None) -> Seq2SeqLayout:
+    """The joined stack of the Hugging Face encoder-decoder in ``module``, or a clear refusal.
+
+    ``orders``: the two dry runs' findings (:attr:`Seq2SeqLayout.orders`), kept from a first call on the module
+    as the user built it; a second call after tensor parallelism rewrote modules then finds them
+    as they are now without running the forward again."""
     hf_path, hf = find_hf_model(module)
     prefix = f"{hf_path}." if hf_path else ""
     encoder_path, decoder_path = (prefix + _blocks_of(hf, side) for side in ("encoder", "decoder"))
-    orders = [record_forward_order(module, p) for p in (encoder_path, decoder_path)]
+    orders = orders or tuple(record_forward_order(module, p) for p in (encoder_path, decoder_path))
     if any(o is None or o.reuses_blocks or o.block_arity is None for o in orders):
         raise MegatronConfigError(
             f"pp>1 with the encoder-decoder {type(hf).__name__}: its forward could not be dry-run on the meta device "
@@ -85,7 +91,7 @@ def seq2seq_layout(module: nn.Module) -> Seq2SeqLayout:
     enc, dec = orders
     return Seq2SeqLayout(encoder_path, decoder_path, len(get_submodule_path(module, encoder_path)), len(decoder),
                          tuple(pre), tuple(between), tuple(post), enc.carried, dec.carried, enc.block_arity,
-                         dec.block_arity)
+                         dec.block_arity, (enc, dec))
 
 
 def _blocks_of(hf: nn.Module, side: str) -> str:

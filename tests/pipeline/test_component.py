@@ -20,13 +20,16 @@ def test_automatic_optimization_with_enough_layers_passes():
         Pipeline(MegatronConfig(pp=4)).validate(GPT(n_layer=2), None)
 
 
-def test_encoder_decoder_under_pp_is_refused_naming_what_works():
+def test_encoder_decoder_under_pp_joins_its_two_stacks_and_refuses_what_it_does_not_run():
     import transformers
 
     config = transformers.T5Config(vocab_size=64, d_model=16, d_ff=32, num_layers=2, num_heads=2, d_kv=8)
     module = transformers.T5ForConditionalGeneration(config)
-    with pytest.raises(MegatronConfigError, match=r"pp=2 with the encoder-decoder T5ForConditionalGeneration.*Use pp=1 with tp"):
-        Pipeline(MegatronConfig(pp=2)).validate(module, None)
+    Pipeline(MegatronConfig(pp=2)).validate(module, None)  # 2 encoder + 2 decoder blocks over 2 stages
+    with pytest.raises(MegatronConfigError, match="num_layers=4 cannot be split evenly into pp_size=3"):
+        Pipeline(MegatronConfig(pp=3)).validate(module, None)
+    with pytest.raises(MegatronConfigError, match=r"pipeline_schedule='zb_h1' with an encoder-decoder.*'1f1b'"):
+        Pipeline(MegatronConfig(pp=2, pipeline_schedule="zb_h1")).validate(module, None)
 
 
 def test_albert_is_split_by_applications_of_its_shared_block():

@@ -1,0 +1,52 @@
+"""Pipeline stages for encoder-decoders: T5, BART, mBART (and Marian, Pegasus) fine-tuned the usual way
+(``AutoModelForSeq2SeqLM.from_config(cfg)``, ``model(input_ids=..., attention_mask=..., labels=...)``,
+padded sources) train at pp=2, pp2·vp2 and pp=4 with the per-step losses and the validation loss of
+Lightning's DDPStrategy on one process, from the same seed.
+
+One launch per layout trains all its models (tests/scripts/train_seq2seq_stages.py). The layouts put
+the cut everywhere it can be: inside the encoder (pp4's stage 1), exactly at the seam (pp2 with equal
+depths; pp4's stage 2, which also holds a third copy of the shared embedding), inside a stage
+(``t5-6-2``: the last stage runs the encoder's last blocks, its final norm and the whole decoder;
+``bart-2-6``: the first stage runs the whole encoder and the decoder's first blocks), and inside the
+decoder (T5's two position biases and the encoder's output cross with the hidden state).
+"""
+from functools import lru_cache
+from pathlib import Path
+
+import pytest
+
+from tests.helpers.launch import run_script
+
+SCRIPT = Path(__file__).parents[1] / "scripts" / "train_seq2seq_stages.py"
+TOL = 2e-4
+pytestmark = pytest.mark.slow
+
+ALL = ("t5", "bart", "mbart", "marian", "pegasus", "t5-6-2", "bart-2-6")
+LAYOUTS = {  # name: (processes, strategy arguments, models)
+    "pp2": (2, ("--pp", "2"), ALL),
+    "pp2-vp2": (2, ("--pp", "2", "--vp", "2"), ("t5", "bart")),
+    "pp4": (4, ("--pp", "4"), ("t5",)),
+}
+
+
+@lru_cache(maxsize=None)
+def _run(nprocs: int, strategy: str, models: tuple, *extra: str) -> dict:
+    return run_script(SCRIPT, nprocs, ["--strategy", strategy, "--models", ",".join(models), *extra], timeout=400)
+
+
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_encoder_decoders_train_like_one_device(layout):
+    nprocs, extra, models = LAYOUTS[layout]
+    ours, ref = _run(nprocs, "megatron", models, *extra), _run(1, "ddp", ALL)
+    failures = {}
+    for name in models:
+        assert isinstance(ref[name], dict) and len(ref[name]["train"]) == 4, (name, ref[name])
+        assert len(set(ref[name]["train"])) > 1, f"{name}: the reference loss does not move, so it shows nothing"
+        if not isinstance(ours[name], dict) or "train" not in ours[name]:
+            failures[name] = ours[name]
+            continue
+        got, want = ours[name]["train"] + [ours[name]["val"]], ref[name]["train"] + [ref[name]["val"]]
+        diff = max(abs(a - b) for a, b in zip(got, want))
+        if len(got) != len(want) or diff >= TOL:
+            failures[name] = f"differs by {diff:.2e}: {got} vs {want}"
+    assert not failures, failures

@@ -37,6 +37,7 @@ class Seq2SeqLayout:
 
     encoder_path: str
     decoder_path: str
+    encoder_module_path: str  # the module whose output is the memory (``model.encoder``)
     num_encoder: int
     num_decoder: int
     pre: tuple[OutsideModule, ...]
@@ -74,6 +75,7 @@ def seq2seq_layout(module: nn.Module, orders: Optional[tuple[ForwardOrder, Forwa
     hf_path, hf = find_hf_model(module)
     prefix = f"{hf_path}." if hf_path else ""
     encoder_path, decoder_path = (prefix + _blocks_of(hf, side) for side in ("encoder", "decoder"))
+    encoder_module = prefix + next(name for name, m in hf.named_modules() if m is hf.get_encoder())
     orders = orders or tuple(record_forward_order(module, p) for p in (encoder_path, decoder_path))
     if any(o is None or o.reuses_blocks or o.block_arity is None for o in orders):
         raise MegatronConfigError(
@@ -89,7 +91,7 @@ def seq2seq_layout(module: nn.Module, orders: Optional[tuple[ForwardOrder, Forwa
         )
     pre, between, post = _placed(module, encoder_path, decoder_path, *orders)
     enc, dec = orders
-    return Seq2SeqLayout(encoder_path, decoder_path, len(get_submodule_path(module, encoder_path)), len(decoder),
+    return Seq2SeqLayout(encoder_path, decoder_path, encoder_module, len(get_submodule_path(module, encoder_path)), len(decoder),
                          tuple(pre), tuple(between), tuple(post), enc.carried, dec.carried, enc.block_arity,
                          dec.block_arity, (enc, dec))
 

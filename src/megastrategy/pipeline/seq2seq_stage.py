@@ -58,14 +58,15 @@ class Seq2SeqStage(PipelineStage):
     decoder_carried: tuple = ()
     _blocks: dict = None  # global index -> block, for the blocks this rank holds
     _memory: Optional[torch.Tensor] = None  # the encoder's output received for this microbatch
+    _received: Optional[list] = None  # the message, unpacked early by the encoder's output hook
     _memory_out: Optional[torch.Tensor] = None  # the memory the chunk's last decoder block read
 
     def activate(self, chunk: int, input_tensor: Optional[torch.Tensor]) -> None:
-        self._memory = self._memory_out = None
+        self._memory = self._memory_out = self._received = None
         super().activate(chunk, input_tensor)
 
     def deactivate(self) -> None:
-        self._memory = self._memory_out = None
+        self._memory = self._memory_out = self._received = None
         super().deactivate()
 
     def _side_carried(self, g: int) -> tuple[tuple[int, str], ...]:
@@ -88,8 +89,9 @@ class Seq2SeqStage(PipelineStage):
             if g not in chunk:
                 return None
             n = self.num_encoder
-            if g == chunk[0] and g != n and self._pending_input is not None:
-                hidden, *rest = self._unpack_input(g - 1)
+            if g == chunk[0] and g != n and (self._pending_input is not None or self._received is not None):
+                hidden, *rest = self._received or self._unpack_input(g - 1)
+                self._received = None
                 args, kwargs = _put(block, args, kwargs, None, hidden)
                 for (_, name), value in zip(self._side_carried(g - 1), rest):
                     args, kwargs = _put(block, args, kwargs, name, value)
@@ -101,6 +103,27 @@ class Seq2SeqStage(PipelineStage):
             return args, kwargs
 
         return hook
+
+    def encoder_output_hook(self, module: nn.Module, args: tuple, output: Any) -> Any:
+        """On a chunk after the seam, the encoder's output is the received memory, not what its
+        stand-ins computed: the model's output (``encoder_last_hidden_state``) and the decoder's
+        cross-attention then read what the one device computes."""
+        chunk = self.chunks[self._active_chunk] if self._active_chunk is not None else ()
+        if not chunk or chunk[0] <= self.num_encoder or self._pending_input is None:
+            return None
+        self._received = self._unpack_input(chunk[0] - 1)
+        self._memory = self._received[-1]
+        if isinstance(output, dict) and "last_hidden_state" in output:
+            output["last_hidden_state"] = self._memory
+            return output
+        if isinstance(output, tuple) and output:
+            return (self._memory, *output[1:])
+        if isinstance(output, torch.Tensor):
+            return self._memory
+        raise MegatronConfigError(
+            f"the encoder returned {type(output).__name__}; a pipeline stage after the encoder-decoder seam replaces "
+            "the encoder's output (a tensor, a tuple or a ModelOutput with last_hidden_state) with the one it "
+            "receives. Use pp=1 for this model.")
 
     def block_post_hook(self, g: int):
         def hook(block: nn.Module, args: tuple, output: Any) -> None:
@@ -206,6 +229,8 @@ def cut_seq2seq_stage(module: nn.Module, layout: Seq2SeqLayout, assignment: list
             if g == chunk[0] or g == chunk[-1] or g >= n:
                 stage._blocks[g].register_forward_pre_hook(stage.block_pre_hook(g), with_kwargs=True)
         stage._blocks[chunk[-1]].register_forward_hook(stage.block_post_hook(chunk[-1]))
+    if any(chunk[0] > n for chunk in chunks):
+        get_submodule_path(module, layout.encoder_module_path).register_forward_hook(stage.encoder_output_hook)
     mine = [g for chunk in chunks for g in chunk]
     stage._resting_swaps = [_Swap(*_parent(module, layout.encoder_path), LocalLayers({g: enc[g] for g in mine if g < n})),
                             _Swap(*_parent(module, layout.decoder_path),

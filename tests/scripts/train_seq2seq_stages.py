@@ -111,7 +111,7 @@ def train(name: str, args) -> dict:
     else:
         from megastrategy import MegatronStrategy
 
-        strategy = MegatronStrategy(pp=args.pp, vp=args.vp, heartbeat_timeout=60.0)
+        strategy = MegatronStrategy(tp=args.tp, pp=args.pp, vp=args.vp, heartbeat_timeout=60.0)
     losses = Losses()
     trainer = L.Trainer(accelerator="cpu", devices=args.devices, strategy=strategy, max_steps=args.steps,
                         callbacks=[losses], logger=False, enable_progress_bar=False, enable_model_summary=False,
@@ -128,6 +128,7 @@ def main() -> None:
     p.add_argument("--models", required=True, help="comma-separated names of ARCHITECTURES")
     p.add_argument("--pp", type=int, default=2)
     p.add_argument("--vp", type=int, default=None)
+    p.add_argument("--tp", type=int, default=1)
     p.add_argument("--steps", type=int, default=4)
     args = p.parse_args()
     args.devices, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])  # read once: a fit may change them

@@ -17,7 +17,7 @@ for those before, :mod:`.leading_blocks`), and what crosses a boundary depends o
 from __future__ import annotations
 
 import inspect
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Optional
 
 import torch
@@ -53,10 +53,10 @@ class _SeamInput(SkippedBlock):
 class Seq2SeqStage(PipelineStage):
     """:class:`PipelineStage` over the joined stack; ``chunks`` index it (decoder block ``j`` is ``N + j``)."""
 
-    num_encoder: int = 0  # N: joined block N is decoder block 0 (what follows keeps no module: memory is freed)
+    num_encoder: int = 0  # N: joined block N is decoder block 0 (numbers, not the layout: it holds every module)
     encoder_carried: tuple = ()  # (output index, argument) an encoder block hands the next
     decoder_carried: tuple = ()
-    _blocks: dict = None  # global index -> block, for the blocks this rank holds
+    _blocks: dict = field(default_factory=dict)  # joined index -> block, for the blocks this rank holds
     _memory: Optional[torch.Tensor] = None  # the encoder's output received for this microbatch
     _received: Optional[list] = None  # the message, unpacked early by the encoder's output hook
     _memory_out: Optional[torch.Tensor] = None  # the memory the chunk's last decoder block read
@@ -79,11 +79,15 @@ class Seq2SeqStage(PipelineStage):
         return unpack(x, count) if count > 1 else [x]
 
     def take_seam_input(self) -> torch.Tensor:
+        """The encoder's last hidden state, for the last encoder placeholder of a chunk starting at the seam."""
         if self._pending_input is None:
             raise MegatronConfigError("the encoder's last block ran twice in one microbatch on the seam stage.")
         return self._unpack_input(self.num_encoder - 1)[0]
 
     def block_pre_hook(self, g: int):
+        """The pre-hook of block ``g``: the chunk's first block takes the received hidden state and
+        carried outputs; a decoder block after the seam takes the received memory (the forward hands
+        each block its own, from the stand-ins); the chunk's last decoder block's memory is kept to send."""
         def hook(block: nn.Module, args: tuple, kwargs: dict):
             chunk = self.chunks[self._active_chunk] if self._active_chunk is not None else ()
             if g not in chunk:
@@ -126,6 +130,8 @@ class Seq2SeqStage(PipelineStage):
             "receives. Use pp=1 for this model.")
 
     def block_post_hook(self, g: int):
+        """The hook after block ``g``: the chunk's last block ends the forward with the message for the
+        next stage (its hidden state, carried outputs and, in the decoder, the memory)."""
         def hook(block: nn.Module, args: tuple, output: Any) -> None:
             if self._active_chunk is None or g != self.chunks[self._active_chunk][-1]:
                 return

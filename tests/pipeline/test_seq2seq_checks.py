@@ -48,3 +48,16 @@ def test_what_the_joined_stack_does_not_run_is_refused_naming_what_does(layout):
     with pytest.raises(MegatronConfigError, match=r"pipeline_schedule='zb_v' with an encoder-decoder.*'1f1b'"):
         refuse_seq2seq_layout(layout, "zb_v", None)
     refuse_seq2seq_layout(layout, "1f1b", None)
+
+
+def test_a_stage_starting_where_the_loop_hands_a_computed_plain_value_is_refused(layout):
+    import dataclasses
+
+    from megastrategy.pipeline.seq2seq_checks import refuse_seq2seq_loop_state
+
+    refuse_seq2seq_loop_state(layout, assign_layers(4, 4), 4)  # T5's loops hand every block the same plain values
+    decoder = dataclasses.replace(layout.orders[1], loop_state=((1, "depth", 1, 0),))
+    changed = dataclasses.replace(layout, orders=(layout.orders[0], decoder))
+    refuse_seq2seq_loop_state(changed, assign_layers(4, 2), 2)  # pp=2 starts no stage at decoder block 1
+    with pytest.raises(MegatronConfigError, match=r"pp=4: a pipeline stage would start at block 1 of model.decoder.block"):
+        refuse_seq2seq_loop_state(changed, assign_layers(4, 4), 4)

@@ -25,7 +25,7 @@ from megastrategy.pipeline.stand_in_probe import refuse_stand_in_values
 from megastrategy.pipeline.zero_bubble_v import check_zb_v
 from megastrategy.pipeline.generation_guard import refuse_generation
 from megastrategy.pipeline.stage import cut_stage
-from megastrategy.pipeline.seq2seq_checks import Seq2SeqTied, refuse_seq2seq_layout
+from megastrategy.pipeline.seq2seq_checks import Seq2SeqTied, refuse_seq2seq_layout, refuse_seq2seq_loop_state
 from megastrategy.pipeline.seq2seq_layout import Seq2SeqLayout, is_encoder_decoder, seq2seq_layout
 from megastrategy.pipeline.seq2seq_stage import cut_seq2seq_stage
 
@@ -90,6 +90,7 @@ class Pipeline(Component):
         self._seq2seq_orders = layout.orders
         refuse_seq2seq_layout(layout, self.schedule, self.pipeline_layers)
         assignment = assign_layers(layout.num_blocks, self.pp, self.vp, self.placement)
+        refuse_seq2seq_loop_state(layout, assignment, self.pp)
         if self.vp > 1:
             validate_schedule(self.num_microbatches, self.pp, self.vp)
         return layout, assignment

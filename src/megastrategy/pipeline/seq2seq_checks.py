@@ -18,11 +18,12 @@ import torch.distributed as dist
 from torch import nn
 
 from megastrategy.errors import MegatronConfigError
+from megastrategy.pipeline.forward_order import loop_state_refusal
 from megastrategy.pipeline.placement import StagePlacement
 from megastrategy.pipeline.seq2seq_layout import Seq2SeqLayout
 from megastrategy.pipeline.seq2seq_stage import held_modules
 
-__all__ = ["Seq2SeqTied", "refuse_seq2seq_layout", "SUPPORTED_SCHEDULES"]
+__all__ = ["Seq2SeqTied", "refuse_seq2seq_layout", "refuse_seq2seq_loop_state", "SUPPORTED_SCHEDULES"]
 
 SUPPORTED_SCHEDULES = ("1f1b",)
 
@@ -37,6 +38,18 @@ def refuse_seq2seq_layout(layout: Seq2SeqLayout, schedule: str, pipeline_layers:
         raise MegatronConfigError(
             f"pipeline_schedule={schedule!r} with an encoder-decoder: its joined stack runs with "
             f"{' or '.join(map(repr, SUPPORTED_SCHEDULES))} (interleaved with vp > 1) only. Use pipeline_schedule='1f1b'.")
+
+
+def refuse_seq2seq_loop_state(layout: Seq2SeqLayout, assignment: list[list[list[int]]], pp: int) -> None:
+    """A stage may not start at a block that the forward's loop hands a plain value computed from the
+    blocks before (see :func:`~.forward_order.loop_state_refusal`), in either stack."""
+    n = layout.num_encoder
+    starts = [chunk[0] for chunks in assignment for chunk in chunks]
+    for order, path, local in ((layout.orders[0], layout.encoder_path, [s for s in starts if s < n]),
+                               (layout.orders[1], layout.decoder_path, [s - n for s in starts if s > n])):
+        refusal = loop_state_refusal(order, path, [[[s] for s in local]])
+        if refusal is not None:
+            raise MegatronConfigError(f"pp={pp}: {refusal}")
 
 
 @dataclass

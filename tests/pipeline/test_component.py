@@ -32,6 +32,20 @@ def test_encoder_decoder_under_pp_joins_its_two_stacks_and_refuses_what_it_does_
         Pipeline(MegatronConfig(pp=2, pipeline_schedule="zb_h1")).validate(module, None)
 
 
+def test_layer_drop_under_pp_is_refused_naming_the_setting():
+    import transformers
+
+    config = transformers.M2M100Config(vocab_size=64, d_model=16, encoder_layers=2, decoder_layers=2,
+                                       encoder_attention_heads=2, decoder_attention_heads=2, encoder_ffn_dim=32,
+                                       decoder_ffn_dim=32, max_position_embeddings=32)
+    assert config.encoder_layerdrop > 0  # M2M100's (and NLLB's) default
+    module = transformers.M2M100ForConditionalGeneration(config)
+    with pytest.raises(MegatronConfigError, match=r"config.encoder_layerdrop=0.05: layer drop skips blocks.*or use pp=1"):
+        Pipeline(MegatronConfig(pp=2)).validate(module, None)
+    config.encoder_layerdrop = config.decoder_layerdrop = 0.0
+    Pipeline(MegatronConfig(pp=2)).validate(transformers.M2M100ForConditionalGeneration(config), None)
+
+
 def test_albert_is_split_by_applications_of_its_shared_block():
     import transformers
 

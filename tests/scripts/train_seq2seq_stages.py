@@ -34,6 +34,7 @@ ARCHITECTURES = {  # name: (config class, config arguments)
     "marian": ("MarianConfig", BART_LIKE),
     "mbart": ("MBartConfig", BART_LIKE),
     "pegasus": ("PegasusConfig", BART_LIKE),
+    "m2m_100": ("M2M100Config", BART_LIKE),  # layer drop (0.05 by default) is refused under pp: set to 0 here
     # uneven depths: at pp=2 the seam falls inside a stage (the last stage's, the first stage's)
     "t5-6-2": ("T5Config", dict(d_model=32, d_ff=64, num_layers=6, num_decoder_layers=2, num_heads=4, d_kv=8,
                                 relative_attention_num_buckets=8)),
@@ -46,7 +47,7 @@ def build_config(name: str):
     config = getattr(transformers, config_cls)(vocab_size=VOCAB, pad_token_id=0, bos_token_id=1, eos_token_id=2,
                                                decoder_start_token_id=0, **extra)
     for key, value in config.to_dict().items():  # dropout off: the comparison is exact
-        if isinstance(value, float) and ("dropout" in key or key.endswith("_rate")) and "init" not in key:
+        if isinstance(value, float) and ("dropout" in key or "layerdrop" in key or key.endswith("_rate")) and "init" not in key:
             setattr(config, key, 0.0)
     return config
 

@@ -165,6 +165,16 @@ def _trains(p: nn.Parameter) -> bool:
 def _refuse_what_stages_cannot_split(hf: Optional[nn.Module], pp: int) -> None:
     """Hugging Face models whose forward needs more than one stage's blocks in one place."""
     config = getattr(hf, "config", None)
+    drops = {k: v for k, v in (config.to_dict() if config is not None else {}).items()
+             if k.endswith("layerdrop") and isinstance(v, (int, float)) and v > 0}
+    if drops:
+        name, value = next(iter(drops.items()))
+        raise MegatronConfigError(
+            f"pp={pp} with {type(hf).__name__} and config.{name}={value}: layer drop skips blocks at random in "
+            "training, and a pipeline stage whose first or last block is skipped would take no input from the "
+            f"previous stage or send none to the next. Set config.{name}=0.0 "
+            f"({', '.join(sorted(drops))} are set), or use pp=1."
+        )
     if getattr(config, "output_router_logits", False):
         raise MegatronConfigError(
             f"pp={pp} with {type(hf).__name__} and output_router_logits=True: its load-balancing loss is computed "

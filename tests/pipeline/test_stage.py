@@ -102,3 +102,20 @@ def test_a_module_placed_by_registration_but_called_on_the_other_side_says_to_mo
     with pytest.raises(MegatronConfigError, match=fix + r".* in __init__"):
         call(model, torch.randint(0, 64, (2, 7)))
     stage.deactivate()
+
+
+def test_a_model_editing_its_microbatch_in_place_keeps_the_other_microbatches_backward():
+    """FSMT fills the labels' -100 with padding in place: every microbatch does it to its rows, and
+    the first microbatch's saved labels must still be valid in its backward; the writes reach the batch."""
+    from megastrategy.pipeline.stage import iter_microbatches
+
+    batch = {"labels": torch.tensor([[1, -100], [2, 3], [-100, 4], [5, 6]]), "x": torch.randn(4, 2)}
+    weight = torch.randn(2, 7, requires_grad=True)
+    losses = []
+    for micro in iter_microbatches(batch, 2):
+        micro["labels"].masked_fill_(micro["labels"] == -100, 0)
+        logits = (micro["x"] @ weight).unsqueeze(1).expand(-1, 2, -1)
+        losses.append(torch.nn.functional.cross_entropy(logits.reshape(-1, 7), micro["labels"].reshape(-1)))
+    for loss in losses:
+        loss.backward()  # raised "modified by an inplace operation" when the slices shared one version counter
+    assert batch["labels"].tolist() == [[1, 0], [2, 3], [0, 4], [5, 6]]

@@ -581,6 +581,22 @@ def iter_microbatches(batch: Any, num_microbatches: int) -> Iterator[Any]:
     step = size // num_microbatches
     for m in range(num_microbatches):
         yield unflatten_batch(
-            [leaf[m * step : (m + 1) * step] if isinstance(leaf, torch.Tensor) and leaf.dim() > 0 else leaf for leaf in leaves],
+            [_own_slice(leaf, m * step, (m + 1) * step) if isinstance(leaf, torch.Tensor) and leaf.dim() > 0 else leaf
+             for leaf in leaves],
             spec,
         )
+
+
+def _own_slice(leaf: torch.Tensor, start: int, stop: int) -> torch.Tensor:
+    """``leaf[start:stop]``, the same memory, with its own version counter when it needs no gradient.
+
+    A slice shares its base's version counter, so a model that edits its inputs in place (FSMT's
+    ``shift_tokens_right`` fills the labels' -100 with padding) would bump it for every microbatch,
+    and the first microbatch's backward would find the labels it saved "modified" although only
+    another microbatch's rows changed. The writes still reach the user's batch, as on one device."""
+    piece = leaf[start:stop]
+    if piece.requires_grad or type(piece) is not torch.Tensor or piece.layout != torch.strided:
+        return piece
+    with torch.no_grad():
+        return torch.empty(0, dtype=piece.dtype, device=piece.device).set_(
+            piece.untyped_storage(), piece.storage_offset(), piece.shape, piece.stride())

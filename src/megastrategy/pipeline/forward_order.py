@@ -108,11 +108,13 @@ def dry_run_twin(module: nn.Module, stack_path: str) -> Optional[tuple[nn.Module
         accepted = inspect.signature(hf.forward).parameters
         inputs = {k: v.to("meta") if isinstance(v, torch.Tensor) else v for k, v in dict(hf.dummy_inputs).items()
                   if k in accepted}  # T5EncoderModel's dummy inputs include the decoder's
-        if "decoder_input_ids" in accepted and "decoder_input_ids" not in inputs and "input_ids" in inputs:
-            inputs["decoder_input_ids"] = inputs["input_ids"]  # BART shifts labels with pad_token_id, unset on the twin
         main = getattr(hf, "main_input_name", "input_ids")
         if main not in inputs and main in accepted:  # pixels, a waveform, mel features
             inputs[main] = random_main_input(main, hf.config, torch.Generator()).to("meta")
+        if "decoder_input_ids" in accepted and "decoder_input_ids" not in inputs and main in inputs:
+            # BART shifts labels with pad_token_id, unset on the twin; Whisper's mel features have no ids to shift
+            rows = inputs[main].shape[0]
+            inputs["decoder_input_ids"] = inputs.get("input_ids", torch.zeros(rows, 4, dtype=torch.long, device="meta"))
         if getattr(twin, "config", None) is not None:  # the copy's own config: no pad-token check reading values
             with contextlib.suppress(Exception):  # a strict config (NomicBERT's) wants an int: the check stays
                 twin.config.pad_token_id = None

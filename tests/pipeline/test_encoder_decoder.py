@@ -21,7 +21,7 @@ SCRIPT = Path(__file__).parents[1] / "scripts" / "train_seq2seq_stages.py"
 TOL = 2e-4
 pytestmark = pytest.mark.slow
 
-ALL = ("t5", "bart", "mbart", "marian", "pegasus", "m2m_100", "t5-6-2", "bart-2-6")
+ALL = ("t5", "bart", "mbart", "marian", "pegasus", "m2m_100", "whisper", "t5-6-2", "bart-2-6")
 LAYOUTS = {  # name: (processes, strategy arguments, models)
     "pp2": (2, ("--pp", "2"), ALL),
     "pp2-vp2": (2, ("--pp", "2", "--vp", "2"), ("t5", "bart")),

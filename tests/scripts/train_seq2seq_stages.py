@@ -34,7 +34,9 @@ ARCHITECTURES = {  # name: (config class, config arguments)
     "marian": ("MarianConfig", BART_LIKE),
     "mbart": ("MBartConfig", BART_LIKE),
     "pegasus": ("PegasusConfig", BART_LIKE),
-    "m2m_100": ("M2M100Config", BART_LIKE),  # layer drop (0.05 by default) is refused under pp: set to 0 here
+    "m2m_100": ("M2M100Config", BART_LIKE),
+    # mel features in, token ids out: the encoder's convolutions run before its blocks
+    "whisper": ("WhisperConfig", {**BART_LIKE, "num_mel_bins": 8, "max_source_positions": SRC, "max_target_positions": 32}),  # layer drop (0.05 by default) is refused under pp: set to 0 here
     # uneven depths: at pp=2 the seam falls inside a stage (the last stage's, the first stage's)
     "t5-6-2": ("T5Config", dict(d_model=32, d_ff=64, num_layers=6, num_decoder_layers=2, num_heads=4, d_kv=8,
                                 relative_attention_num_buckets=8)),
@@ -71,12 +73,25 @@ class Pairs(Dataset):
         return {"input_ids": self.ids[i], "attention_mask": self.mask[i], "labels": self.labels[i]}
 
 
+class Features(Pairs):
+    """Mel features (``2 * SRC`` frames: Whisper's convolutions halve them) instead of source ids."""
+
+    def __init__(self, n: int = 32, seed: int = 3):
+        super().__init__(n, seed)
+        self.features = torch.randn(n, 8, 2 * SRC, generator=torch.Generator().manual_seed(seed))
+
+    def __getitem__(self, i):
+        return {"input_features": self.features[i], "labels": self.labels[i]}
+
+
 class Seq2SeqModule(L.LightningModule):
     """What a user writes to fine-tune a sequence-to-sequence model."""
 
     def __init__(self, name: str):
         super().__init__()
-        self.model = transformers.AutoModelForSeq2SeqLM.from_config(build_config(name))
+        auto = transformers.AutoModelForSpeechSeq2Seq if name == "whisper" else transformers.AutoModelForSeq2SeqLM
+        self.model = auto.from_config(build_config(name))
+        self.data = Features if name == "whisper" else Pairs
 
     def training_step(self, batch, batch_idx):
         loss = self.model(**batch).loss
@@ -90,10 +105,10 @@ class Seq2SeqModule(L.LightningModule):
         return torch.optim.AdamW(self.parameters(), lr=2e-2)
 
     def train_dataloader(self):
-        return DataLoader(Pairs(), batch_size=4)
+        return DataLoader(self.data(), batch_size=4)
 
     def val_dataloader(self):
-        return DataLoader(Pairs(8, seed=5), batch_size=4)
+        return DataLoader(self.data(8, seed=5), batch_size=4)
 
 
 class Losses(Callback):

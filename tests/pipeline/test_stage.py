@@ -119,3 +119,17 @@ def test_a_model_editing_its_microbatch_in_place_keeps_the_other_microbatches_ba
     for loss in losses:
         loss.backward()  # raised "modified by an inplace operation" when the slices shared one version counter
     assert batch["labels"].tolist() == [[1, 0], [2, 3], [0, 4], [5, 6]]
+
+
+def test_the_last_stages_output_is_checked_for_stand_in_values_after_the_probe_ends():
+    """The step runner checks the output after ``deactivate()`` (which ends the probe): it passes
+    whether the forward was probed, else a stand-in's zeros in the output passed unnoticed."""
+    from megastrategy.errors import MegatronConfigError
+    from megastrategy.pipeline.stage import PipelineStage
+    from megastrategy.pipeline.stand_in_values import mark
+
+    stage = PipelineStage(stack_path="layers", chunks=[[0]], pp_rank=1, pp_size=2, vp_size=1)
+    marked = {"encoder_last_hidden_state": mark(torch.zeros(2), ["model.encoder.final_layer_norm"])}
+    stage.refuse_marked_output(marked)  # not probing: nothing checked
+    with pytest.raises(MegatronConfigError, match="uses a value computed by model.encoder.final_layer_norm"):
+        stage.refuse_marked_output(marked, probing=True)

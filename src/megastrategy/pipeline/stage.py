@@ -373,9 +373,11 @@ class PipelineStage:
 
         return check
 
-    def refuse_marked_output(self, output: Any) -> None:
-        """In the chunk's first forward: refuse a stage output computed from a stand-in's zeros."""
-        if self.probing:
+    def refuse_marked_output(self, output: Any, probing: Optional[bool] = None) -> None:
+        """In the chunk's first forward: refuse a stage output computed from a stand-in's zeros.
+        ``probing``: whether that forward was probed, for a caller that checks after :meth:`deactivate`
+        (which ends the probe)."""
+        if self.probing if probing is None else probing:
             refuse_if_marked(output, f"the user's step on the last stage (its output)", self.pp_rank)
 
     def next_application(self) -> int:

@@ -290,6 +290,7 @@ class StepRunner:
 
         def forward_step(chunk: int, microbatch: int, input_tensor: Optional[torch.Tensor]) -> torch.Tensor:
             stage.activate(chunk, input_tensor)
+            probing = stage.probing  # deactivate() ends the probe; the output is checked after it
             whole = stage.is_last_virtual(chunk)  # this run reaches the end of the user's step
             try:
                 if not whole and chunk == stage.vp_size - 1:  # the step goes on here after the relay
@@ -305,7 +306,7 @@ class StepRunner:
                     f"{step.name} finished on pipeline stage {stage.pp_rank} chunk {chunk} without running its last "
                     f"block: the forward must run the blocks of {stage.stack_path} in order."
                 )
-            stage.refuse_marked_output((out, recorded))
+            stage.refuse_marked_output((out, recorded), probing)
             self._recorded[microbatch] = recorded
             outputs.append(out)
             return _as_loss(out, step.name) if step.training else _NOTHING()

@@ -33,6 +33,7 @@ class Pipeline(Component):
         self.enabled = config.pp > 1
         self.pp, self.vp = config.pp, config.vp_size
         self.num_microbatches, self.pipeline_layers = config.num_microbatches, config.pipeline_layers
+        self.stage_layers = config.pipeline_stage_layers
         self.schedule = config.pipeline_schedule
         self.placement = schedule_placement(self.schedule, self.pp, self.vp) if self.enabled else None
         self._tied: list[nn.Parameter] = []
@@ -57,7 +58,7 @@ class Pipeline(Component):
             refuse_parallel_lists(module, anatomy.stack_path, self.pp)
         order = self._forward_order(module, anatomy.stack_path)
         assignment = assign_layers(len(order.stack_calls) if order is not None else len(anatomy.stack), self.pp,
-                                   self.vp, self.placement)
+                                   self.vp, self.placement, self.stage_layers)
         refusal = loop_state_refusal(order, anatomy.stack_path, assignment)
         if refusal is not None:
             raise MegatronConfigError(f"pp={self.pp}: {refusal}")
@@ -86,7 +87,8 @@ class Pipeline(Component):
             module,
             stack_path=anatomy.stack_path,
             stack=anatomy.stack,
-            assignment=assign_layers(len(stack_calls or anatomy.stack), self.pp, self.vp, self.placement),
+            assignment=assign_layers(len(stack_calls or anatomy.stack), self.pp, self.vp, self.placement,
+                                     self.stage_layers),
             pp_rank=ps.pp_rank,
             pp_size=self.pp,
             vp_size=self.vp,

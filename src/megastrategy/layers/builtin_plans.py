@@ -47,7 +47,8 @@ classifiers, the MLM transform) are small and stay replicated.
 Sources, most trusted first: a Hugging Face model's own declared plan
 (:mod:`megastrategy.layers.hf_declared`) is used for everything inside that model; the class
 rules here apply elsewhere; in a Hugging Face model that declares nothing, the layers no class
-rule names are left to structural detection (:mod:`megastrategy.layers.structural_plans`). This module is pure: it reads modules and never changes them.
+rule names are left to structural detection (:mod:`megastrategy.layers.structural_plans`); so is
+the layer stack of a user's own model (:mod:`megastrategy.layers.user_stack_plans`). This module is pure: it reads modules and never changes them.
 """
 from __future__ import annotations
 
@@ -60,6 +61,7 @@ from megastrategy.layers.hf_declared import declared_plan
 from megastrategy.layers.litgpt_plans import litgpt_units
 from megastrategy.layers.structural_plans import structural_units
 from megastrategy.layers.timm_plans import timm_units
+from megastrategy.layers.user_stack_plans import user_stack_units
 from megastrategy.layers.unit_types import (
     HEAD_ATTRS,
     BuiltinDetection,
@@ -238,6 +240,9 @@ def detect_builtin_plan(module: nn.Module) -> BuiltinDetection:
         found, refusals = structural_units(name, m, covered)
         units.extend(found)
         refused.extend(refusals)
+    found, refusals = user_stack_units(module, {member for u in units for member, _, _ in u.members})
+    units.extend(found)
+    refused.extend(refusals)
     # Hugging Face models that contain at least one recognized block
     for name, m in module.named_modules():
         if not is_hf_pretrained(m) or name in roots:

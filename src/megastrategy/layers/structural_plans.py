@@ -27,7 +27,7 @@ refuses to train rather than train wrong. Pure: nothing is modified.
 from __future__ import annotations
 
 import inspect
-from typing import Any
+from typing import Any, Callable
 
 from torch import nn
 
@@ -229,14 +229,18 @@ def _in_repeated_block(name: str) -> bool:
     return any(part.isdigit() for part in name.split(".")[:-1])
 
 
-def structural_units(root_name: str, root: nn.Module, covered: set[str]) -> tuple[list[BuiltinUnit], list[Refusal]]:
+def structural_units(
+    root_name: str, root: nn.Module, covered: set[str], run: Callable[[], Any] | None = None, with_vocab: bool = True
+) -> tuple[list[BuiltinUnit], list[Refusal]]:
     """Units found by tracing Hugging Face model ``root`` (named ``root_name`` in the user's
-    module); layers in ``covered`` (named by another source) are left to it."""
+    module); layers in ``covered`` (named by another source) are left to it. ``run`` replaces the
+    forward on random ids (a user's model, :mod:`megastrategy.layers.user_stack_plans`, runs on a
+    guessed input), and ``with_vocab=False`` leaves its embeddings alone."""
     watched, all_linears = _watched(root)
     linears = {n for n in all_linears if join_name(root_name, n) not in covered and _in_repeated_block(n)}
     if not linears:
         return [], []
-    flow = trace_dataflow(root, watched, all_linears, lambda: forward_on_random_ids(root))
+    flow = trace_dataflow(root, watched, all_linears, run or (lambda: forward_on_random_ids(root)))
     if flow is None:
         return [], []
     detector = _Detector(root_name, root, flow, linears, covered)
@@ -244,6 +248,6 @@ def structural_units(root_name: str, root: nn.Module, covered: set[str]) -> tupl
         sources = detector.region(out)
         if sources is not None:
             detector.add(out, sources)
-    if any(u.kind in ("attention", "mlp") for u in detector.units):
+    if with_vocab and any(u.kind in ("attention", "mlp") for u in detector.units):
         detector.vocab()
     return detector.units, detector.refused

@@ -26,7 +26,7 @@ from megastrategy.rank_zero import log_on_rank_zero
 
 _log = logging.getLogger(__name__)
 
-__all__ = ["verify_sharded_blocks", "TOLERANCE", "tolerance_for"]
+__all__ = ["verify_sharded_blocks", "block_mismatch", "TOLERANCE", "tolerance_for"]
 
 #: largest accepted max-abs error relative to the reference's largest magnitude (fp32 sums in
 #: another order differ by ~1e-6; a wrong plan by ~1)
@@ -155,6 +155,13 @@ def _check_block(module: nn.Module, cap: CapturedBlock, group) -> str | None:
     tol = tolerance_for(want_out.dtype)
     bad = sorted((e for e in errors if not e[1] <= tol), key=lambda e: -e[1])
     return ", ".join(f"{what} (relative error {err:.3g})" for what, err in bad[:3]) or None
+
+
+def block_mismatch(module: nn.Module, cap: CapturedBlock, group) -> str | None:
+    """What differs between ``module``'s sharded block ``cap.name`` and ``cap.reference`` (worst
+    first), or None; local to this rank (the caller reduces the verdict over the group). The
+    fallback (:mod:`megastrategy.layers.block_fallback`) asks this of a sharded copy."""
+    return _check_block(module, cap, group)
 
 
 def _unverified(name: str, exc: Exception) -> None:

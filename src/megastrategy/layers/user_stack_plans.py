@@ -25,7 +25,6 @@ from torch import nn
 
 from megastrategy.anatomy import find_layer_stack
 from megastrategy.errors import MegatronConfigError
-from megastrategy.layers.plain_block_inputs import runnable_guess
 from megastrategy.layers.structural_plans import structural_units
 from megastrategy.layers.unit_types import BuiltinUnit, Refusal, is_hf_pretrained, is_linear_layer
 from megastrategy.naming import join_name
@@ -66,6 +65,9 @@ def user_stack_units(module: nn.Module, covered: set[str]) -> tuple[list[Builtin
     linears = [join_name(path, n) for n, m in stack.named_modules() if is_linear_layer(m)]
     if not linears or any(n in covered for n in linears):
         return [], []
+    # imported here: plain_block_inputs reads the plan types, whose package imports this module
+    from megastrategy.layers.plain_block_inputs import runnable_guess
+
     guess = runnable_guess(module, path, _first_width(stack))
     if guess is None:
         return [], []

@@ -220,9 +220,10 @@ def _inside(name: str, roots: dict[str, str]) -> bool:
     return any(r == "" or name == r or name.startswith(r + ".") for r in roots)
 
 
-def detect_builtin_plan(module: nn.Module) -> BuiltinDetection:
+def detect_builtin_plan(module: nn.Module, user_stacks: bool = True) -> BuiltinDetection:
     """Recognize known blocks in ``module`` (names relative to it); pure. Inside a Hugging Face
-    model that declares a tensor-parallel plan, that declaration is used instead of the rules."""
+    model that declares a tensor-parallel plan, that declaration is used instead of the rules.
+    ``user_stacks=False`` leaves a user's own layer stack alone (no trace)."""
     declared = declared_plan(module)
     units: list[BuiltinUnit] = list(declared.units)
     roots: dict[str, str] = dict(declared.roots)
@@ -240,9 +241,10 @@ def detect_builtin_plan(module: nn.Module) -> BuiltinDetection:
         found, refusals = structural_units(name, m, covered)
         units.extend(found)
         refused.extend(refusals)
-    found, refusals = user_stack_units(module, {member for u in units for member, _, _ in u.members})
-    units.extend(found)
-    refused.extend(refusals)
+    if user_stacks:
+        found, refusals = user_stack_units(module, {member for u in units for member, _, _ in u.members})
+        units.extend(found)
+        refused.extend(refusals)
     # Hugging Face models that contain at least one recognized block
     for name, m in module.named_modules():
         if not is_hf_pretrained(m) or name in roots:

@@ -82,6 +82,13 @@ def _packing(use: FirstUse | None, heads: set[int]) -> int | str:
     return f"the forward first applies {use.op} to its output, giving shapes {list(use.results)}"
 
 
+def _feeds_activation(flow: DataFlow, sources: frozenset[str]) -> bool:
+    """One projection whose output is neither split nor viewed first (a GELU): an MLP, even in a
+    module that counts heads (a hand-written block holding attention and MLP side by side)."""
+    use = flow.first_use.get(next(iter(sources))) if len(sources) == 1 else None
+    return use is not None and use.op not in _SPLIT_OPS + _VIEW_OPS
+
+
 class _Detector:
     """Reads one Hugging Face model's data flow; collects units and refusals."""
 
@@ -121,7 +128,7 @@ class _Detector:
     def add(self, out: str, sources: frozenset[str]) -> None:
         owner = parent_name(out)
         heads = _head_counts(self.modules[owner]) if owner else {}
-        if not heads:
+        if not heads or _feeds_activation(self.flow, sources):
             members = [(self.full(s), "column", {}) for s in sorted(sources)]
             members += [(self.full(d), "dropout", {}) for d in self.inside(owner, sources, nn.Dropout)]
             members.append((self.full(out), "row", {}))

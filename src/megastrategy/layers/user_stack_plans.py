@@ -73,4 +73,17 @@ def user_stack_units(module: nn.Module, covered: set[str]) -> tuple[list[Builtin
         return [], []
     root_name, x = guess
     root = module.get_submodule(root_name) if root_name else module
-    return structural_units(root_name, root, covered, run=lambda: root(x), with_vocab=False)
+    units, refused = structural_units(root_name, root, covered, run=lambda: root(x), with_vocab=False)
+    for u in units:  # named after the user's model, not the container that was traced (nn.Sequential)
+        u.arch = _model_class(module, path)
+    return units, refused
+
+
+def _model_class(module: nn.Module, path: str) -> str:
+    """The class name of the nearest ancestor of ``path`` that is not a ``torch.nn`` container."""
+    parts = path.split(".")
+    for i in range(len(parts) - 1, -1, -1):
+        m = module.get_submodule(".".join(parts[:i])) if i else module
+        if not type(m).__module__.startswith("torch."):
+            return type(m).__name__
+    return type(module).__name__

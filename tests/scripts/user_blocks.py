@@ -8,7 +8,6 @@ Launched by tests/helpers/launch.py: ``--strategy ddp`` on one process (the refe
 """
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 import os
@@ -23,7 +22,7 @@ import torch  # noqa: E402
 from lightning.pytorch.strategies import DDPStrategy  # noqa: E402
 from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 
-from tests.helpers.script_args import leave_without_static_destructors  # noqa: E402
+from tests.helpers.script_args import launcher_env, layout_parser, leave_without_static_destructors  # noqa: E402
 from tests.helpers.user_gpts import SEQ, VOCAB, build  # noqa: E402
 
 BATCH, STEPS = 4, 3
@@ -91,19 +90,14 @@ def train_one(name: str, strategy_name: str, tp: int, world_size: int) -> dict:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser()
-    p.add_argument("--out", required=True)
-    p.add_argument("--strategy", choices=["ddp", "megatron"], required=True)
-    p.add_argument("--tp", type=int, default=1)
+    p = layout_parser()
     p.add_argument("--models", required=True, help="comma-separated names from tests/helpers/user_gpts.MODELS")
     args = p.parse_args()
     torch.set_num_threads(1)
-    world_size, rank = int(os.environ["WORLD_SIZE"]), int(os.environ.get("RANK", "0"))
-    env = {k: os.environ[k] for k in ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK", "NODE_RANK")
-           if k in os.environ}
+    world_size, rank, env = int(os.environ["WORLD_SIZE"]), int(os.environ.get("RANK", "0")), launcher_env()
     results = {}
     for name in args.models.split(","):
-        os.environ.update(env)  # Lightning's teardown removes the launcher's variables
+        os.environ.update(env)
         results[name] = train_one(name, args.strategy, args.tp, world_size)
     if rank == 0:
         Path(args.out).write_text(json.dumps(results, indent=1))

@@ -48,9 +48,9 @@ class PlanContext:
             names=[n for n, _ in named],
             rules=rules,
             auto_mode=auto_mode,
-            # a user's own layer stack is traced only when asked to detect: a plan without 'auto'
-            # is used as given, and the trace runs the model
-            detection=detect_builtin_plan(module, user_stacks=auto_mode),
+            # a user's own layer stack is traced only when asked to detect at tp > 1: a plan without
+            # 'auto' is used as given, and the trace runs the model (at tp=1 nothing is sharded)
+            detection=detect_builtin_plan(module, user_stacks=auto_mode and tp_size > 1),
         )
 
     def submodule(self, name: str) -> nn.Module:

@@ -4,7 +4,8 @@ per-step losses within 2e-4. One launch per layout trains every model (tests/scr
 
 What each must get: the MLPs column/row everywhere; the attention head-sharded where the forward
 reads its sizes from the module (the Llama: ``self.n_heads``, ``self.head_dim``) and kept whole,
-with one warning, where it reads ``C`` from ``x.size()`` (nanoGPT, minGPT).
+with one warning, where it reads ``C`` from ``x.size()`` (nanoGPT, minGPT); the embedding and the
+head (tied in nanoGPT) vocab-parallel.
 """
 from __future__ import annotations
 
@@ -44,3 +45,6 @@ def test_tp2_matches_one_device_on_hand_written_transformers():
     assert _styles(llama, "attention.wq") == {"column"} and _styles(llama, "attention.wo") == {"row"}
     assert _styles(llama, "feed_forward.w3") == {"column"} and _styles(llama, "feed_forward.w2") == {"row"}
     assert tp2["llama"]["warnings"] == []
+    for model, (emb, head) in {"nanogpt": ("transformer.wte", "lm_head"), "mingpt": ("tok_emb", "head"),
+                               "llama": ("tok_embeddings", "output")}.items():
+        assert tp2[model]["plan"][f"model.{emb}"] == tp2[model]["plan"][f"model.{head}"] == "vocab", model

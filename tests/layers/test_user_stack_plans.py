@@ -12,12 +12,12 @@ def _block0(plan, prefix):
     return {e.name[len(prefix):]: (e.style, dict(e.extra)) for e in plan.entries if e.name.startswith(prefix)}
 
 
-def test_nanogpt_attention_and_mlp_are_read_embeddings_stay_whole():
+def test_nanogpt_attention_mlp_and_vocabulary_are_read():
     plan = resolve_tp_plan(build("nanogpt"), None, 2)
     got = _block0(plan, "transformer.h.0.")
     assert got["attn.c_attn"] == ("column", {"packed_chunks": 3, "unit": "NanoGPT.attention"})
     assert got["attn.c_proj"][0] == "row" and got["mlp.c_fc"][0] == "column" and got["mlp.c_proj"][0] == "row"
-    assert plan["transformer.wte"].style == plan["lm_head"].style == "replicate"  # tied: left alone
+    assert plan["transformer.wte"].style == plan["lm_head"].style == "vocab"  # tied: tests/layers/test_user_vocab.py
     assert {(f.module, f.attr, f.old, f.new) for f in plan.fixups} == {
         (f"transformer.h.{i}.attn", "n_head", 4, 2) for i in range(2)}
     assert {e.source for e in plan.sharded} == {"structural:NanoGPT"}

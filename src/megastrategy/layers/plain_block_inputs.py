@@ -110,13 +110,18 @@ def capture_plain_inputs(
     return out
 
 
-def runnable_guess(module: nn.Module, name: str, width: Optional[int]) -> Optional[tuple[str, torch.Tensor]]:
-    """The innermost ancestor of ``name`` (itself included) that runs without raising on its
-    guessed input, and that input: what structural detection traces a user's layer stack with
-    (:mod:`megastrategy.layers.user_stack_plans`). Eval mode and no grad (training flags restored)."""
+def runnable_guess(
+    module: nn.Module, name: str, width: Optional[int], with_embedding: bool = False
+) -> Optional[tuple[str, torch.Tensor]]:
+    """The innermost ancestor of ``name`` (itself included; with ``with_embedding``, one holding an
+    ``nn.Embedding``) that runs without raising on its guessed input, and that input: what
+    structural detection traces a user's layer stack with (:mod:`megastrategy.layers.user_stack_plans`).
+    Eval mode and no grad (training flags restored)."""
     for anc in _ancestors(name):
         candidate = module.get_submodule(anc)
         if not _takes_one_argument(candidate):
+            continue
+        if with_embedding and not any(isinstance(m, nn.Embedding) for m in candidate.modules()):
             continue
         x = _guess(candidate, False, width, torch.Generator().manual_seed(SEED))
         if x is not None and _runs(candidate, x):

@@ -10,9 +10,9 @@ below the embedding's size for the innermost ancestor of the stack that runs on 
 the model's layer stack (:func:`megastrategy.anatomy.find_layer_stack`). MLPs become column/row
 and attentions head-sharded where the reading is unambiguous.
 
-The embedding and the output head stay replicated: a user's loss reads the logits in ways no
-probe sees (``logits.view(-1, logits.size(-1))``, a softmax, a slice), and a tied
-``wte``/``lm_head`` would make a wrong guess silently wrong for both. An attention whose
+The token embedding and the output head become vocab-parallel only where that is exact
+(:mod:`megastrategy.layers.user_vocab`: their weights are used by nothing but their own calls);
+otherwise they stay replicated. An attention whose
 forward cannot run on its local heads (nanoGPT reads ``C`` from ``x.size()``) is caught by the
 setup-time block check and kept whole (:mod:`megastrategy.layers.block_fallback`). Pure:
 nothing is modified (the probe runs in eval mode, without grad, on a private generator).
@@ -27,6 +27,7 @@ from megastrategy.anatomy import find_layer_stack
 from megastrategy.errors import MegatronConfigError
 from megastrategy.layers.structural_plans import structural_units
 from megastrategy.layers.unit_types import BuiltinUnit, Refusal, is_hf_pretrained, is_linear_layer
+from megastrategy.layers.user_vocab import vocab_units
 from megastrategy.naming import join_name
 
 __all__ = ["user_stack_units"]
@@ -74,9 +75,25 @@ def user_stack_units(module: nn.Module, covered: set[str]) -> tuple[list[Builtin
     root_name, x = guess
     root = module.get_submodule(root_name) if root_name else module
     units, refused = structural_units(root_name, root, covered, run=lambda: root(x), with_vocab=False)
+    arch = _model_class(module, path)
     for u in units:  # named after the user's model, not the container that was traced (nn.Sequential)
-        u.arch = _model_class(module, path)
+        u.arch = arch
+    if units:
+        units += _vocab(module, path, arch, covered)
     return units, refused
+
+
+def _vocab(module: nn.Module, path: str, arch: str, covered: set[str]) -> list[BuiltinUnit]:
+    """Vocab-parallel embedding and head where exact (:mod:`megastrategy.layers.user_vocab`), traced
+    from the innermost ancestor of the stack that holds the embedding and runs on token ids."""
+    from megastrategy.layers.plain_block_inputs import runnable_guess
+
+    guess = runnable_guess(module, path, None, with_embedding=True)
+    if guess is None:
+        return []
+    root_name, x = guess
+    root = module.get_submodule(root_name) if root_name else module
+    return vocab_units(root_name, root, arch, covered, lambda: root(x))
 
 
 def _model_class(module: nn.Module, path: str) -> str:

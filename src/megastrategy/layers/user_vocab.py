@@ -21,6 +21,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_leaves
 
+from megastrategy.layers.dataflow import run_under
 from megastrategy.layers.unit_types import BuiltinUnit
 from megastrategy.naming import join_name
 
@@ -73,8 +74,10 @@ class _WeightUses(TorchFunctionMode):
 
 
 def _weights_stay_inside(root: nn.Module, layers: list[nn.Module], run: Callable[[], Any]) -> bool:
+    """``run()`` raises nothing and reads the layers' weights only in the layers' own calls."""
     mode = _WeightUses(layers)
     handles = []
+
     def enter(mod, args) -> None:
         mode.inside.append(mod)
 
@@ -84,19 +87,7 @@ def _weights_stay_inside(root: nn.Module, layers: list[nn.Module], run: Callable
     for m in layers:
         handles.append(m.register_forward_pre_hook(enter))
         handles.append(m.register_forward_hook(leave))
-    flags = {m: m.training for m in root.modules()}
-    root.eval()
-    try:
-        with torch.no_grad(), mode:
-            run()
-    except Exception:  # noqa: BLE001 - it ran before; anything now means: do not shard the vocabulary
-        return False
-    finally:
-        for h in handles:
-            h.remove()
-        for m, training in flags.items():
-            m.training = training
-    return not mode.stray
+    return run_under(root, mode, handles, run) and not mode.stray  # raised now: do not shard the vocabulary
 
 
 def vocab_units(root_name: str, root: nn.Module, arch: str, covered: set[str], run: Callable[[], Any]) -> list[BuiltinUnit]:

@@ -82,11 +82,16 @@ def _packing(use: FirstUse | None, heads: set[int]) -> int | str:
     return f"the forward first applies {use.op} to its output, giving shapes {list(use.results)}"
 
 
+#: what an MLP's first layer feeds first; a packed q/k/v is cut first (split, view, unsqueeze, ...)
+_ACTIVATIONS = ("gelu", "relu", "silu", "sigmoid", "tanh", "elu", "selu", "celu", "leaky_relu", "hardswish",
+                "mish", "softplus", "relu6", "hardtanh", "glu")
+
+
 def _feeds_activation(flow: DataFlow, sources: frozenset[str]) -> bool:
-    """One projection whose output is neither split nor viewed first (a GELU): an MLP, even in a
+    """One projection whose output goes through an activation first (a GELU): an MLP, even in a
     module that counts heads (a hand-written block holding attention and MLP side by side)."""
     use = flow.first_use.get(next(iter(sources))) if len(sources) == 1 else None
-    return use is not None and use.op not in _SPLIT_OPS + _VIEW_OPS
+    return use is not None and use.op.rstrip("_") in _ACTIVATIONS
 
 
 class _Detector:

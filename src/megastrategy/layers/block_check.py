@@ -129,8 +129,9 @@ def _first_line(exc: Exception) -> str:
     return text.splitlines()[0] if text else "(no message)"
 
 
-def _check_block(module: nn.Module, cap: CapturedBlock, group) -> str | None:
-    """What differs in block ``cap.name`` (worst item first), or None."""
+def _check_block(module: nn.Module, cap: CapturedBlock, group, warn: bool = True) -> str | None:
+    """What differs in block ``cap.name`` (worst item first), or None; ``warn``: say when the
+    original cannot run on its captured inputs."""
     sharded = module.get_submodule(cap.name)
     flags = {m: m.training for m in sharded.modules()}
     sharded.eval()
@@ -139,7 +140,8 @@ def _check_block(module: nn.Module, cap: CapturedBlock, group) -> str | None:
         try:
             want_out, want_in, want_params = _forward_backward(cap.reference, cap)
         except Exception as exc:  # noqa: BLE001 - the same on every rank: no collective is skipped unevenly
-            _unverified(cap.name, exc)
+            if warn:
+                _unverified(cap.name, exc)
             return None
         try:
             got_out, got_in, got_params = _forward_backward(sharded, cap)
@@ -160,8 +162,9 @@ def _check_block(module: nn.Module, cap: CapturedBlock, group) -> str | None:
 def block_mismatch(module: nn.Module, cap: CapturedBlock, group) -> str | None:
     """What differs between ``module``'s sharded block ``cap.name`` and ``cap.reference`` (worst
     first), or None; local to this rank (the caller reduces the verdict over the group). The
-    fallback (:mod:`megastrategy.layers.block_fallback`) asks this of a sharded copy."""
-    return _check_block(module, cap, group)
+    fallback (:mod:`megastrategy.layers.block_fallback`) asks this of a sharded copy; an original
+    that cannot run is reported once, by the check after sharding."""
+    return _check_block(module, cap, group, warn=False)
 
 
 def _unverified(name: str, exc: Exception) -> None:

@@ -46,7 +46,8 @@ def _trial(cap: CapturedBlock, plan: ResolvedPlan, group, rng_tracker) -> str | 
     try:
         apply_tp_plan(trial, restrict_to_block(plan, cap.name), group=group, rng_tracker=rng_tracker)
     except Exception as exc:  # noqa: BLE001 - the same on every rank; the real apply would fail too
-        return f"sharding it raised {type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"
+        first = (str(exc).strip().splitlines() or ["(no message)"])[0]
+        return f"sharding it raised {type(exc).__name__}: {first}"
     return block_mismatch(trial, replace(cap, name=""), group)
 
 

@@ -32,7 +32,7 @@ def test_the_warning_names_blocks_reason_share_and_fix():
     attn = sum(p.numel() for n, p in model.named_parameters() if ".attn." in n)
     share = attn / sum(p.numel() for p in model.parameters())
     assert "keeping 2 auto-detected block(s) whole" in text and "'transformer.h.*.attn'" in text
-    assert DETAIL in text and f"{share:.1%} of the parameters stay unsharded" in text
+    assert DETAIL in text and f"hold {share:.1%} of the model's parameters" in text
     assert "y.view(B, T, -1)" in text and "tp_plan={'*': 'auto', 'transformer.h.*.attn': 'replicate'}" in text
 
 

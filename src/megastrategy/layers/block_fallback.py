@@ -94,12 +94,19 @@ def fallback_warning(module: nn.Module, keep: dict[str, str], tp: int) -> str:
     return (
         f"megastrategy: tp={tp}: keeping {len(keep)} auto-detected block(s) whole (replicated, not sharded): "
         f"{', '.join(repr(g) for g in globs)}, because the sharded block does not compute what the original "
-        f"computes ({reasons}). {_share(module, list(keep)):.1%} of the parameters stay unsharded; training is "
-        "exact. To shard them, make the forward read its sizes from the tensor rather than from the full "
-        "sizes (nanoGPT: split(x.shape[-1] // 3, dim=2) or a head count attribute divided by tp, "
-        "view(B, T, self.n_head, -1), y.view(B, T, -1)), or name the layers in tp_plan; "
+        f"computes ({reasons}). They hold {_share(module, list(keep)):.1%} of the model's parameters, which "
+        f"every tensor-parallel rank keeps in full; training is exact. {_fix(keep)}; "
         f"tp_plan={{'*': 'auto', {globs[0]!r}: 'replicate'}} keeps them whole without this warning."
     )
+
+
+def _fix(keep: dict[str, str]) -> str:
+    """What would shard them: sizes read from the tensor when the forward raised, else a plan."""
+    if any("raised" in d for d in keep.values()):
+        return ("To shard them, make the forward read its sizes from the tensor rather than the full sizes "
+                "(nanoGPT: split(x.shape[-1] // 3, dim=2), view(B, T, self.n_head, -1), y.view(B, T, -1)), "
+                "or name their layers in tp_plan")
+    return "To shard them, name their layers in tp_plan with the styles their forward needs"
 
 
 def keep_failing_blocks_whole(

@@ -73,27 +73,35 @@ def user_stack_units(module: nn.Module, covered: set[str]) -> tuple[list[Builtin
     if guess is None:
         return [], []
     root_name, x = guess
-    root = module.get_submodule(root_name) if root_name else module
+    root = _sub(module, root_name)
     units, refused = structural_units(root_name, root, covered, run=lambda: root(x), with_vocab=False)
     arch = _model_class(module, path)
     for u in units:  # named after the user's model, not the container that was traced (nn.Sequential)
         u.arch = arch
     if units:
-        units += _vocab(module, path, arch, covered)
+        units += _vocab(module, path, arch, covered, guess)
     return units, refused
 
 
-def _vocab(module: nn.Module, path: str, arch: str, covered: set[str]) -> list[BuiltinUnit]:
-    """Vocab-parallel embedding and head where exact (:mod:`megastrategy.layers.user_vocab`), traced
-    from the innermost ancestor of the stack that holds the embedding and runs on token ids."""
+def _vocab(module: nn.Module, path: str, arch: str, covered: set[str], traced) -> list[BuiltinUnit]:
+    """Vocab-parallel embedding and head where exact (:mod:`megastrategy.layers.user_vocab`), watched
+    on the traced root's input if it holds the embedding, else from the innermost ancestor of the
+    stack that holds one and runs on token ids (minGPT's stack, an ``nn.Sequential``, ran on hidden
+    states)."""
     from megastrategy.layers.plain_block_inputs import runnable_guess
 
-    guess = runnable_guess(module, path, None, with_embedding=True)
-    if guess is None:
-        return []
-    root_name, x = guess
-    root = module.get_submodule(root_name) if root_name else module
+    root_name, x = traced
+    if not any(isinstance(m, nn.Embedding) for m in _sub(module, root_name).modules()):
+        found = runnable_guess(module, path, None, with_embedding=True)
+        if found is None:
+            return []
+        root_name, x = found
+    root = _sub(module, root_name)
     return vocab_units(root_name, root, arch, covered, lambda: root(x))
+
+
+def _sub(module: nn.Module, name: str) -> nn.Module:
+    return module.get_submodule(name) if name else module
 
 
 def _model_class(module: nn.Module, path: str) -> str:

@@ -75,3 +75,21 @@ def test_a_dataclass_with_an_init_var_stays_one_leaf():
 
     leaves, spec = flatten_batch(WithInitVar(torch.ones(2)))
     assert len(leaves) == 1 and type(unflatten_batch(leaves, spec)) is WithInitVar
+
+
+def test_texts_beside_their_token_ids_split_with_them_and_keep_their_type():
+    batch = {"input_ids": torch.arange(8).view(4, 2), "text": ["a", "b", "c", "d"], "shape": (4, 2, 1, 1),
+             "tags": ["x", "y"], "split": "train"}
+    first, second = iter_microbatches(batch, 2)
+    assert first["text"] == ["a", "b"] and second["text"] == ["c", "d"]
+    assert first["shape"] == (4, 2, 1, 1) == second["shape"]  # numbers in a tuple: no example list
+    assert first["tags"] == ["x", "y"] == second["tags"]  # not as long as the batch: whole
+    assert first["split"] == "train" and torch.equal(second["input_ids"], batch["input_ids"][2:])
+
+
+def test_per_example_texts_returned_by_the_steps_are_joined_in_order():
+    from megastrategy.pipeline.step_output import join_step_outputs
+
+    outputs = [{"pred": ["pos", "neg"], "loss": torch.tensor(1.0)}, {"pred": ["neg", "neg"], "loss": torch.tensor(3.0)}]
+    joined = join_step_outputs(outputs, "predict_step", sizes=[2, 2])
+    assert joined["pred"] == ["pos", "neg", "neg", "neg"] and joined["loss"].item() == 2.0

@@ -9,6 +9,11 @@ registering anything in torch's global pytree registry. Dataclass batches (Light
 walked field by field the same way and rebuilt by calling their class with the fields, when every
 field is an ``__init__`` argument; otherwise they stay one leaf. The description of the structure is
 plain data, so it can travel to other ranks with the batch.
+
+Given the batch size, a list of strings exactly that long is one text per example (what
+``default_collate`` makes of a string field: the texts beside their token ids) and becomes one
+:class:`PerExample` leaf, so that it can be split and joined with the tensors. Lists of numbers
+and tuples stay as they were: ``(batch, length)`` or a list of per-layer sizes is no example list.
 """
 from __future__ import annotations
 
@@ -18,7 +23,27 @@ from typing import Any, Optional
 
 from torch.utils._pytree import SUPPORTED_NODES, TreeSpec, tree_flatten, tree_unflatten
 
-__all__ = ["BatchSpec", "flatten_batch", "unflatten_batch"]
+__all__ = ["BatchSpec", "PerExample", "flatten_batch", "unflatten_batch"]
+
+_TEXTS = (str, bytes)
+
+
+@dataclass(frozen=True)
+class PerExample:
+    """One value per example, kept as one leaf: sliced like a tensor's dim 0, joined by concatenation."""
+
+    values: tuple
+
+    def __len__(self) -> int:
+        return len(self.values)
+
+    def __getitem__(self, index: slice) -> "PerExample":
+        return PerExample(self.values[index])
+
+
+def _per_example(obj: Any, size: Optional[int]) -> bool:
+    return (size is not None and size > 1 and type(obj) is list and len(obj) == size
+            and all(isinstance(v, _TEXTS) for v in obj))
 
 
 @dataclass(frozen=True)
@@ -29,9 +54,10 @@ class BatchSpec:
     kinds: Optional[tuple]
 
 
-def flatten_batch(batch: Any) -> tuple[list, BatchSpec]:
-    """The batch's leaves (tensors and other values) and a picklable spec to rebuild it."""
-    plain, kinds = _plain(batch)
+def flatten_batch(batch: Any, examples: Optional[int] = None) -> tuple[list, BatchSpec]:
+    """The batch's leaves (tensors and other values) and a picklable spec to rebuild it; with
+    ``examples`` (the batch size), lists of that many plain values become :class:`PerExample` leaves."""
+    plain, kinds = _plain(batch, examples)
     leaves, tree = tree_flatten(plain)
     return leaves, BatchSpec(tree, kinds)
 
@@ -52,22 +78,24 @@ def _walked_dataclass(obj: Any) -> bool:
     return all(f.init for f in fields(obj)) and len(fields(obj)) == len(obj.__dataclass_fields__)
 
 
-def _plain(obj: Any) -> tuple[Any, Optional[tuple]]:
-    """``obj`` with foreign mappings (and dataclasses) turned into dicts; ``kinds`` records where
-    (None: nothing to redo)."""
+def _plain(obj: Any, examples: Optional[int] = None) -> tuple[Any, Optional[tuple]]:
+    """``obj`` with foreign mappings (and dataclasses) turned into dicts and per-example lists into
+    leaves; ``kinds`` records where (None: nothing to redo)."""
+    if _per_example(obj, examples):
+        return PerExample(tuple(obj)), ("examples",)
     if _walked_dataclass(obj):
-        parts = {f.name: _plain(getattr(obj, f.name)) for f in fields(obj)}
+        parts = {f.name: _plain(getattr(obj, f.name), examples) for f in fields(obj)}
         inner = {k: kind for k, (_, kind) in parts.items() if kind is not None}
         return {k: p for k, (p, _) in parts.items()}, ("dataclass", type(obj), inner)
     if _foreign(obj) or type(obj) is dict:
-        parts = {k: _plain(v) for k, v in obj.items()}
+        parts = {k: _plain(v, examples) for k, v in obj.items()}
         inner = {k: kind for k, (_, kind) in parts.items() if kind is not None}
         plain = {k: p for k, (p, _) in parts.items()}
         if _foreign(obj):
             return plain, ("mapping", type(obj), inner)
         return plain, ("dict", inner) if inner else None
     if type(obj) in (list, tuple):
-        parts = [_plain(v) for v in obj]
+        parts = [_plain(v, examples) for v in obj]
         inner = {i: kind for i, (_, kind) in enumerate(parts) if kind is not None}
         plain = type(obj)(p for p, _ in parts)
         return plain, ("sequence", inner) if inner else None
@@ -77,6 +105,8 @@ def _plain(obj: Any) -> tuple[Any, Optional[tuple]]:
 def _restore(plain: Any, kinds: Optional[tuple]) -> Any:
     if kinds is None:
         return plain
+    if kinds[0] == "examples":
+        return list(plain.values) if isinstance(plain, PerExample) else plain
     inner = kinds[-1]
     if kinds[0] == "sequence":
         return type(plain)(_restore(v, inner.get(i)) for i, v in enumerate(plain))

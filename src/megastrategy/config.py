@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any, Mapping, NamedTuple, Optional
+from typing import Any, Mapping, NamedTuple, Optional, Sequence
 
 from megastrategy.context.validation import LAYOUT_CHOICES, OUTPUT_CHOICES
 from megastrategy.cuda_graphs.scope import validate_cuda_graph_scope
@@ -41,6 +41,7 @@ class Rule(NamedTuple):
 _BAD_VALUES = "bad argument values (`tp=0`, `tp_plan` not a dict, ...)"
 _ZB_ROW = "unknown `pipeline_schedule`, or `\"zb_h1\"` without `pp > 1`, with `vp` or with `cuda_graph_scope`"
 _ZBV_ROW = "`\"zb_v\"` without `pp > 1`, with `vp` other than 2, `num_microbatches < 2·pp - 1` or `cuda_graph_scope`"
+_STAGE_LAYERS_ROW = "`pipeline_stage_layers` not `pp·vp` positive ints, or with `pp=1`"
 CONSTRUCTOR_RULES: tuple[Rule, ...] = (
     Rule("tp", {"tp": 0}, _BAD_VALUES),
     Rule("pp", {"pp": -1}, _BAD_VALUES),
@@ -67,6 +68,9 @@ CONSTRUCTOR_RULES: tuple[Rule, ...] = (
          "unknown `cuda_graph_scope` name, `moe_preprocess` without `moe_router`, graphs with full recompute"),
     Rule("cuda_graph_scope", {"cuda_graph_scope": ["attn"], "activation_checkpointing": "full"},
          "unknown `cuda_graph_scope` name, `moe_preprocess` without `moe_router`, graphs with full recompute"),
+    Rule("pipeline_stage_layers", {"pp": 2, "pipeline_stage_layers": (4,)}, _STAGE_LAYERS_ROW),
+    Rule("pipeline_stage_layers", {"pp": 2, "pipeline_stage_layers": (3, 0)}, _STAGE_LAYERS_ROW),
+    Rule("pipeline_stage_layers", {"pp": 1, "pipeline_stage_layers": (2,)}, _STAGE_LAYERS_ROW),
     Rule("pipeline_schedule", {"pp": 2, "pipeline_schedule": "gpipe"}, _ZB_ROW),
     Rule("pipeline_schedule", {"pp": 1, "pipeline_schedule": "zb_h1"}, _ZB_ROW),
     Rule("pipeline_schedule", {"pp": 2, "vp": 2, "pipeline_schedule": "zb_h1"}, _ZB_ROW),
@@ -99,6 +103,9 @@ class MegatronConfig:
         tp_plan: ``{glob over named_modules(): "column" | "row" | "vocab" | "replicate"}``;
             ``None`` detects Hugging Face and ``torch.nn.Transformer*Layer`` models.
         pipeline_layers: dotted path of the ``nn.ModuleList`` of blocks (default: found).
+        pipeline_stage_layers: blocks per virtual pipeline stage, in stage order (``pp·vp``
+            positive counts summing to the blocks); default: equal shares, the earliest stages
+            taking the remainder (12 blocks on 5 stages: 3, 3, 2, 2, 2).
         order: how the rank grid is laid out, first dimension varying fastest.
         broadcast_batch: broadcast each batch from the first rank of its model replica (TP, CP and
             pipeline ranks) so random data pipelines cannot diverge; ``None`` = when tp·cp·pp > 1.
@@ -137,6 +144,7 @@ class MegatronConfig:
     num_microbatches: Optional[int] = None
     tp_plan: Optional[Mapping[str, str]] = None
     pipeline_layers: Optional[str] = None
+    pipeline_stage_layers: Optional[Sequence[int]] = None
     order: str = DEFAULT_ORDER
     broadcast_batch: Optional[bool] = None
     grad_reduce_in_fp32: bool = True
@@ -225,6 +233,7 @@ class MegatronConfig:
             raise MegatronConfigError(f"backend={self.backend!r}: use one of {', '.join(map(repr, BACKENDS))}.")
         validate_fp8(self.fp8, self.backend)
         validate_pipeline_schedule(self.pipeline_schedule, self.pp, self.vp or 1)
+        self._check_stage_layers()
         if self.pipeline_schedule == "zb_v":
             check_zb_v(self.num_microbatches, self.pp)
         if self.pipeline_schedule != "1f1b" and self.cuda_graph_scope:
@@ -234,6 +243,23 @@ class MegatronConfig:
                 "replay of static buffers, which the deferred weight-gradient step would replay again after other "
                 "microbatches reused them. Use pipeline_schedule='1f1b' with CUDA graphs, or cuda_graph_scope=None."
             )
+
+    def _check_stage_layers(self) -> None:
+        """``pipeline_stage_layers``' shape; whether the counts sum to the model's blocks is checked
+        when the model is known (the pipeline component's ``validate``)."""
+        counts, stages = self.pipeline_stage_layers, self.pp * self.vp_size
+        if counts is None:
+            return
+        valid = isinstance(counts, (list, tuple)) and all(
+            isinstance(c, int) and not isinstance(c, bool) and c >= 1 for c in counts
+        )
+        if not valid or len(counts) != stages or self.pp < 2:
+            raise MegatronConfigError(
+                f"MegatronStrategy(pipeline_stage_layers={counts!r}, pp={self.pp}, vp={self.vp}): the rule is a tuple "
+                f"of pp·vp = {stages} positive ints with pp > 1, the blocks of each virtual stage in order, e.g. "
+                f"pipeline_stage_layers={tuple([2] * max(stages, 2))} with pp={max(self.pp, 2)}; or None for equal shares."
+            )
+        object.__setattr__(self, "pipeline_stage_layers", tuple(counts))
 
     # ------------------------------------------------------------------ derived
     @property

@@ -34,6 +34,15 @@ def test_a_tp2_pp2_checkpoint_taken_mid_epoch_continues_with_the_next_batch_on(l
     assert len(losses) == 3 and max(abs(a - b) for a, b in zip(losses, expected)) < 2e-4, (losses, expected)
 
 
+def test_a_checkpoint_of_unequal_stages_resumes_on_another_split():
+    """3 layers saved as stages of 2 + 1 (automatic) and resumed as 1 + 2 (named): names are global."""
+    straight, ckpt = mid_epoch_bert_run(("--pp", "2", "--layers", "3"), 2)
+    resumed = run_script(SCRIPT, 2, [*MID_EPOCH_BERT, "--pp", "2", "--layers", "3", "--stage-layers", "1,2",
+                                     "--resume", str(ckpt)], timeout=400)
+    losses, expected = resumed["train_loss"], straight["train_loss"][3:]
+    assert len(losses) == 3 and max(abs(a - b) for a, b in zip(losses, expected)) < 2e-4, (losses, expected)
+
+
 # tp=2, dp=2 with 4 samples per device (global batch 8) resumed with the same global batch
 OTHER_DP = {
     "tp2-dp1": (["--tp", "2", "--batch-size", "8"], 2),

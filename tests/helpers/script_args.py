@@ -18,6 +18,13 @@ def layout_parser() -> argparse.ArgumentParser:
     return p
 
 
+def launcher_env() -> dict[str, str]:
+    """The launcher's rendezvous variables, to restore before each of several fits in one process:
+    Lightning's teardown removes them."""
+    keys = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK", "NODE_RANK")
+    return {k: os.environ[k] for k in keys if k in os.environ}
+
+
 def leave_without_static_destructors() -> None:
     """End the process after a clean run without C++ static destructors: gloo's threads can abort
     the process at interpreter exit ("terminate called without an active exception")."""

@@ -239,12 +239,35 @@ def test_error_auto_detection_finds_nothing_to_shard():
         resolve_tp_plan(MLP(), None, 2)
 
 
+class _LeakyBlock(nn.Module):
+    """``q``'s output reaches the residual stream as well as ``proj``: no column/row region."""
+
+    def __init__(self, d: int = 32):
+        super().__init__()
+        self.q, self.proj = nn.Linear(d, d), nn.Linear(d, d)
+
+    def forward(self, x):
+        h = self.q(x)
+        return x + h + self.proj(h)
+
+
+class _LeakyStack(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList(_LeakyBlock() for _ in range(2))
+
+    def forward(self, x):
+        for b in self.blocks:
+            x = b(x)
+        return x
+
+
 def test_error_auto_detection_cannot_classify_repeated_block():
     with pytest.raises(
         MegatronConfigError,
         match=r"tp=2 with auto-detection \(tp_plan=None\).*cannot classify.*'blocks\.\*\.q'.*tp_plan=\{'\*': 'auto', 'blocks\.\*\.q'",
     ):
-        resolve_tp_plan(TinyGPT(), None, 2)
+        resolve_tp_plan(_LeakyStack(), None, 2)
     # the combined form: auto-detection plus the user's entries
     plan = resolve_tp_plan(TinyGPT(), {"*": "auto", **TinyGPT.PLAN}, 2)
     assert plan.auto and plan["blocks.0.q"].style == "column"

@@ -101,6 +101,9 @@ def test_check_fails_a_summed_loss_under_pipeline_microbatches():
                 "--module-args", '{"n_train": 16}')
     assert done.returncode == 1, done.stdout + done.stderr
     assert done.stdout.strip().splitlines()[-1].startswith("FAIL")
+    # the training run itself says why (a warning on rank 0, shown by the check above its verdict)
+    assert "the layout's run warned: megastrategy: training_step calls F.cross_entropy(..., reduction='sum') under " \
+           "pipeline parallelism with 2 microbatches" in done.stdout, done.stdout
 
 
 @pytest.mark.slow

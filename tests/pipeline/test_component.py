@@ -54,8 +54,9 @@ def test_albert_is_split_by_applications_of_its_shared_block():
     module = transformers.AlbertForSequenceClassification(config)
     assert len(module.albert.encoder.albert_layer_groups) == 1
     Pipeline(MegatronConfig(pp=4)).validate(module, None)  # 4 applications over 4 stages
-    with pytest.raises(MegatronConfigError, match="num_layers=4 cannot be split evenly into pp_size=3"):
-        Pipeline(MegatronConfig(pp=3)).validate(module, None)
+    Pipeline(MegatronConfig(pp=3)).validate(module, None)  # 2 + 1 + 1 applications
+    with pytest.raises(MegatronConfigError, match="num_layers=4 cannot fill pp_size=5"):
+        Pipeline(MegatronConfig(pp=5)).validate(module, None)
 
 
 

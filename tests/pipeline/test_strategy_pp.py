@@ -40,6 +40,21 @@ def test_pipeline_layout_matches_ddp(model, plan, layout):
     _assert_same(_run("megatron", nprocs, model, *extra, *plan), _run("ddp", dp, model))
 
 
+UNEVEN = {  # name: (model, processes, arguments of both runs, strategy arguments)
+    "bert-3-layers-pp2": ("bert", 2, ("--layers", "3"), ("--pp", "2")),  # 2 + 1
+    "gpt-tied-5-layers-pp2-vp2": ("gpt", 2, ("--layers", "5"), ("--pp", "2", "--vp", "2", "--user-plan")),  # 2, 1, 1, 1
+    "gpt-tied-named-3-1": ("gpt", 2, (), ("--pp", "2", "--stage-layers", "3,1", "--user-plan")),
+}
+
+
+@pytest.mark.parametrize("case", sorted(UNEVEN))
+def test_stages_of_unequal_layer_counts_match_ddp(case):
+    """Layer counts pp·vp does not divide, split automatically or named: where a block runs never
+    changes what it computes (the tied embedding's two uses included)."""
+    model, nprocs, both, extra = UNEVEN[case]
+    _assert_same(_run("megatron", nprocs, model, *both, *extra), _run("ddp", 1, model, *both))
+
+
 ZERO_BUBBLE = {  # name: (model, processes, dp, strategy arguments); ZB-H1 with each model, with TP, and at pp=4
     "bert-pp2": ("bert", 2, 1, ("--pp", "2", "--pipeline-schedule", "zb_h1")),
     "bert-tp2-pp2": ("bert", 4, 1, ("--tp", "2", "--pp", "2", "--pipeline-schedule", "zb_h1")),

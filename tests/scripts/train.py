@@ -140,6 +140,7 @@ def main() -> None:
     p.add_argument("--overlap-param-gather", action="store_true", help="MegatronStrategy(overlap_param_gather=True)")
     p.add_argument("--pipeline-schedule", help="MegatronStrategy(pipeline_schedule=...)")
     p.add_argument("--num-microbatches", type=int, help="MegatronStrategy(num_microbatches=...) (default: pp)")
+    p.add_argument("--stage-layers", help="MegatronStrategy(pipeline_stage_layers=...), comma-separated counts")
     p.add_argument("--async-checkpoint", action="store_true", help="MegatronStrategy(async_checkpoint=True)")
     p.add_argument("--bucket-numel", type=int, help="MegatronStrategy(bucket_numel=...)")
     p.add_argument("--sequence-parallel", action="store_true", help="MegatronStrategy(sequence_parallel=True)")
@@ -188,6 +189,8 @@ def main() -> None:
             extra["pipeline_schedule"] = args.pipeline_schedule
         if args.num_microbatches:
             extra["num_microbatches"] = args.num_microbatches
+        if args.stage_layers:
+            extra["pipeline_stage_layers"] = tuple(int(n) for n in args.stage_layers.split(","))
         if args.distributed_optimizer:
             extra.update(use_distributed_optimizer=True, overlap_param_gather=args.overlap_param_gather)
         if args.overlap_grad_reduce:

@@ -26,7 +26,7 @@ from megastrategy.rank_zero import log_on_rank_zero
 
 _log = logging.getLogger(__name__)
 
-__all__ = ["verify_sharded_blocks", "TOLERANCE", "tolerance_for"]
+__all__ = ["verify_sharded_blocks", "block_mismatch", "TOLERANCE", "tolerance_for"]
 
 #: largest accepted max-abs error relative to the reference's largest magnitude (fp32 sums in
 #: another order differ by ~1e-6; a wrong plan by ~1)
@@ -129,8 +129,9 @@ def _first_line(exc: Exception) -> str:
     return text.splitlines()[0] if text else "(no message)"
 
 
-def _check_block(module: nn.Module, cap: CapturedBlock, group) -> str | None:
-    """What differs in block ``cap.name`` (worst item first), or None."""
+def _check_block(module: nn.Module, cap: CapturedBlock, group, warn: bool = True) -> str | None:
+    """What differs in block ``cap.name`` (worst item first), or None; ``warn``: say when the
+    original cannot run on its captured inputs."""
     sharded = module.get_submodule(cap.name)
     flags = {m: m.training for m in sharded.modules()}
     sharded.eval()
@@ -139,7 +140,8 @@ def _check_block(module: nn.Module, cap: CapturedBlock, group) -> str | None:
         try:
             want_out, want_in, want_params = _forward_backward(cap.reference, cap)
         except Exception as exc:  # noqa: BLE001 - the same on every rank: no collective is skipped unevenly
-            _unverified(cap.name, exc)
+            if warn:
+                _unverified(cap.name, exc)
             return None
         try:
             got_out, got_in, got_params = _forward_backward(sharded, cap)
@@ -155,6 +157,14 @@ def _check_block(module: nn.Module, cap: CapturedBlock, group) -> str | None:
     tol = tolerance_for(want_out.dtype)
     bad = sorted((e for e in errors if not e[1] <= tol), key=lambda e: -e[1])
     return ", ".join(f"{what} (relative error {err:.3g})" for what, err in bad[:3]) or None
+
+
+def block_mismatch(module: nn.Module, cap: CapturedBlock, group) -> str | None:
+    """What differs between ``module``'s sharded block ``cap.name`` and ``cap.reference`` (worst
+    first), or None; local to this rank (the caller reduces the verdict over the group). The
+    fallback (:mod:`megastrategy.layers.block_fallback`) asks this of a sharded copy; an original
+    that cannot run is reported once, by the check after sharding."""
+    return _check_block(module, cap, group, warn=False)
 
 
 def _unverified(name: str, exc: Exception) -> None:

@@ -47,7 +47,8 @@ classifiers, the MLM transform) are small and stay replicated.
 Sources, most trusted first: a Hugging Face model's own declared plan
 (:mod:`megastrategy.layers.hf_declared`) is used for everything inside that model; the class
 rules here apply elsewhere; in a Hugging Face model that declares nothing, the layers no class
-rule names are left to structural detection (:mod:`megastrategy.layers.structural_plans`). This module is pure: it reads modules and never changes them.
+rule names are left to structural detection (:mod:`megastrategy.layers.structural_plans`); so is
+the layer stack of a user's own model (:mod:`megastrategy.layers.user_stack_plans`). This module is pure: it reads modules and never changes them.
 """
 from __future__ import annotations
 
@@ -60,6 +61,7 @@ from megastrategy.layers.hf_declared import declared_plan
 from megastrategy.layers.litgpt_plans import litgpt_units
 from megastrategy.layers.structural_plans import structural_units
 from megastrategy.layers.timm_plans import timm_units
+from megastrategy.layers.user_stack_plans import user_stack_units
 from megastrategy.layers.unit_types import (
     HEAD_ATTRS,
     BuiltinDetection,
@@ -218,9 +220,10 @@ def _inside(name: str, roots: dict[str, str]) -> bool:
     return any(r == "" or name == r or name.startswith(r + ".") for r in roots)
 
 
-def detect_builtin_plan(module: nn.Module) -> BuiltinDetection:
+def detect_builtin_plan(module: nn.Module, user_stacks: bool = True) -> BuiltinDetection:
     """Recognize known blocks in ``module`` (names relative to it); pure. Inside a Hugging Face
-    model that declares a tensor-parallel plan, that declaration is used instead of the rules."""
+    model that declares a tensor-parallel plan, that declaration is used instead of the rules.
+    ``user_stacks=False`` leaves a user's own layer stack alone (no trace)."""
     declared = declared_plan(module)
     units: list[BuiltinUnit] = list(declared.units)
     roots: dict[str, str] = dict(declared.roots)
@@ -236,6 +239,10 @@ def detect_builtin_plan(module: nn.Module) -> BuiltinDetection:
     for name, m in _undeclared_hf_models(module, declared.roots):
         covered = {member for u in units for member, _, _ in u.members}
         found, refusals = structural_units(name, m, covered)
+        units.extend(found)
+        refused.extend(refusals)
+    if user_stacks:
+        found, refusals = user_stack_units(module, {member for u in units for member, _, _ in u.members})
         units.extend(found)
         refused.extend(refusals)
     # Hugging Face models that contain at least one recognized block

@@ -21,7 +21,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_leaves
 
-__all__ = ["FirstUse", "DataFlow", "trace_dataflow"]
+__all__ = ["FirstUse", "DataFlow", "trace_dataflow", "run_under"]
 
 #: a boolean read of a meta tensor (``megastrategy plan`` builds models on the meta device) has no
 #: value; the mask code asks "is every token unpadded?", which for random ids without padding is
@@ -118,16 +118,22 @@ def trace_dataflow(root: nn.Module, watched: dict[str, nn.Module], cuts: set[str
     ``None`` if the forward raised (the model needs other inputs). Training flags are restored."""
     mode = _TagMode()
     handles = [h for name, m in watched.items() for h in _watch(mode, name, m, name in cuts)]
+    return mode.flow if run_under(root, mode, handles, run) else None  # raised: nothing detected
+
+
+def run_under(root: nn.Module, mode: TorchFunctionMode, handles: list, run) -> bool:
+    """Run ``run()`` (a forward of ``root``) in eval mode, without grad, under ``mode``; False if it
+    raised. The hooks in ``handles`` are removed and the training flags restored afterwards."""
     flags = {m: m.training for m in root.modules()}
     root.eval()
     try:
         with torch.no_grad(), mode:
             run()
-    except Exception:  # noqa: BLE001 - no data flow known: structural detection finds nothing
-        return None
+        return True
+    except Exception:  # noqa: BLE001 - the caller learns nothing from this forward
+        return False
     finally:
         for h in handles:
             h.remove()
         for m, training in flags.items():
             m.training = training
-    return mode.flow

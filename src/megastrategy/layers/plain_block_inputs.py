@@ -24,7 +24,7 @@ from torch import nn
 from megastrategy.layers.plan.resolved import PlanEntry
 from megastrategy.layers.random_ids_forward import SEED
 
-__all__ = ["capture_plain_inputs"]
+__all__ = ["capture_plain_inputs", "runnable_guess"]
 
 _POSITIONAL = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
 
@@ -108,3 +108,36 @@ def capture_plain_inputs(
                 out[name] = detach(got)
                 break
     return out
+
+
+def runnable_guess(
+    module: nn.Module, name: str, width: Optional[int], with_embedding: bool = False
+) -> Optional[tuple[str, torch.Tensor]]:
+    """The innermost ancestor of ``name`` (itself included; with ``with_embedding``, one holding an
+    ``nn.Embedding``) that runs without raising on its guessed input, and that input: what
+    structural detection traces a user's layer stack with (:mod:`megastrategy.layers.user_stack_plans`).
+    Eval mode and no grad (training flags restored)."""
+    for anc in _ancestors(name):
+        candidate = module.get_submodule(anc)
+        if not _takes_one_argument(candidate):
+            continue
+        if with_embedding and not any(isinstance(m, nn.Embedding) for m in candidate.modules()):
+            continue
+        x = _guess(candidate, False, width, torch.Generator().manual_seed(SEED))
+        if x is not None and _runs(candidate, x):
+            return anc, x
+    return None
+
+
+def _runs(candidate: nn.Module, x: torch.Tensor) -> bool:
+    flags = {m: m.training for m in candidate.modules()}
+    candidate.eval()
+    try:
+        with torch.no_grad():
+            candidate(x)
+        return True
+    except Exception:  # noqa: BLE001 - a wrong guess of what the model reads: try the next ancestor
+        return False
+    finally:
+        for m, mode in flags.items():
+            m.training = mode

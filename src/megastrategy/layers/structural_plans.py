@@ -27,7 +27,7 @@ refuses to train rather than train wrong. Pure: nothing is modified.
 from __future__ import annotations
 
 import inspect
-from typing import Any
+from typing import Any, Callable
 
 from torch import nn
 
@@ -82,6 +82,18 @@ def _packing(use: FirstUse | None, heads: set[int]) -> int | str:
     return f"the forward first applies {use.op} to its output, giving shapes {list(use.results)}"
 
 
+#: what an MLP's first layer feeds first; a packed q/k/v is cut first (split, view, unsqueeze, ...)
+_ACTIVATIONS = ("gelu", "relu", "silu", "sigmoid", "tanh", "elu", "selu", "celu", "leaky_relu", "hardswish",
+                "mish", "softplus", "relu6", "hardtanh", "glu")
+
+
+def _feeds_activation(flow: DataFlow, sources: frozenset[str]) -> bool:
+    """One projection whose output goes through an activation first (a GELU): an MLP, even in a
+    module that counts heads (a hand-written block holding attention and MLP side by side)."""
+    use = flow.first_use.get(next(iter(sources))) if len(sources) == 1 else None
+    return use is not None and use.op.rstrip("_") in _ACTIVATIONS
+
+
 class _Detector:
     """Reads one Hugging Face model's data flow; collects units and refusals."""
 
@@ -121,7 +133,7 @@ class _Detector:
     def add(self, out: str, sources: frozenset[str]) -> None:
         owner = parent_name(out)
         heads = _head_counts(self.modules[owner]) if owner else {}
-        if not heads:
+        if not heads or _feeds_activation(self.flow, sources):
             members = [(self.full(s), "column", {}) for s in sorted(sources)]
             members += [(self.full(d), "dropout", {}) for d in self.inside(owner, sources, nn.Dropout)]
             members.append((self.full(out), "row", {}))
@@ -229,14 +241,18 @@ def _in_repeated_block(name: str) -> bool:
     return any(part.isdigit() for part in name.split(".")[:-1])
 
 
-def structural_units(root_name: str, root: nn.Module, covered: set[str]) -> tuple[list[BuiltinUnit], list[Refusal]]:
+def structural_units(
+    root_name: str, root: nn.Module, covered: set[str], run: Callable[[], Any] | None = None, with_vocab: bool = True
+) -> tuple[list[BuiltinUnit], list[Refusal]]:
     """Units found by tracing Hugging Face model ``root`` (named ``root_name`` in the user's
-    module); layers in ``covered`` (named by another source) are left to it."""
+    module); layers in ``covered`` (named by another source) are left to it. ``run`` replaces the
+    forward on random ids (a user's model, :mod:`megastrategy.layers.user_stack_plans`, runs on a
+    guessed input), and ``with_vocab=False`` leaves its embeddings alone."""
     watched, all_linears = _watched(root)
     linears = {n for n in all_linears if join_name(root_name, n) not in covered and _in_repeated_block(n)}
     if not linears:
         return [], []
-    flow = trace_dataflow(root, watched, all_linears, lambda: forward_on_random_ids(root))
+    flow = trace_dataflow(root, watched, all_linears, run or (lambda: forward_on_random_ids(root)))
     if flow is None:
         return [], []
     detector = _Detector(root_name, root, flow, linears, covered)
@@ -244,6 +260,6 @@ def structural_units(root_name: str, root: nn.Module, covered: set[str]) -> tupl
         sources = detector.region(out)
         if sources is not None:
             detector.add(out, sources)
-    if any(u.kind in ("attention", "mlp") for u in detector.units):
+    if with_vocab and any(u.kind in ("attention", "mlp") for u in detector.units):
         detector.vocab()
     return detector.units, detector.refused

@@ -18,6 +18,7 @@ class ParityReport:
     losses: list[float]
     ref_grad_norms: list[float]
     grad_norms: list[float]
+    warnings: tuple[str, ...] = ()  # what megastrategy warned about during the layout's run
 
     @property
     def loss_diffs(self) -> list[float]:
@@ -50,6 +51,7 @@ class ParityReport:
             lines.append(f"steps recorded: reference {len(self.ref_losses)}, layout {len(self.losses)}")
         worst = max(self.loss_diffs + self.grad_norm_diffs, default=float("nan"))
         verdict = "PASS" if self.passed else "FAIL"
+        lines += [f"the layout's run warned: {w}" for w in self.warnings]
         lines.append(f"{verdict}: largest difference {worst:.2e} (tolerance {self.tolerance:.0e}; losses absolute, "
                      "gradient norms relative)")
         return "\n".join(lines)
@@ -60,4 +62,5 @@ def compare_runs(reference: dict[str, Any], run: dict[str, Any], *, layout: str,
     """Build the report from the two runs' recorded ``losses`` and ``grad_norms``."""
     return ParityReport(layout=layout, reference=reference_name, tolerance=tolerance,
                         ref_losses=list(reference["losses"]), losses=list(run["losses"]),
-                        ref_grad_norms=list(reference["grad_norms"]), grad_norms=list(run["grad_norms"]))
+                        ref_grad_norms=list(reference["grad_norms"]), grad_norms=list(run["grad_norms"]),
+                        warnings=tuple(run.get("warnings", ())))

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib
 import json
+import logging
 import sys
 from pathlib import Path
 from typing import Any, Optional
@@ -79,9 +80,26 @@ def _strategy(layout: Optional[dict]) -> Any:
     return MegatronStrategy(**layout)
 
 
+class _WarningsKept(logging.Handler):
+    """megastrategy's own warnings during the run, so that the verdict can say what the strategy
+    already said (a summed loss under microbatches, a token mean it could not trace)."""
+
+    def __init__(self) -> None:
+        super().__init__(level=logging.WARNING)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        message = record.getMessage()
+        if message not in self.messages:
+            self.messages.append(message)
+
+
 def train_and_record(spec: dict[str, Any]) -> Optional[dict[str, Any]]:
     """Train ``spec["steps"]`` steps; on rank 0 return what was recorded."""
     import lightning as L
+
+    kept = _WarningsKept()
+    logging.getLogger("megastrategy").addHandler(kept)
 
     L.seed_everything(spec["seed"], workers=True, verbose=False)
     module = import_object(spec["module"])(**spec["module_args"])
@@ -96,7 +114,8 @@ def train_and_record(spec: dict[str, Any]) -> Optional[dict[str, Any]]:
     trainer.fit(module, datamodule=datamodule)
     if trainer.global_rank != 0:
         return None
-    return {"losses": recorder.losses, "grad_norms": recorder.grad_norms, "dropouts_silenced": silenced}
+    return {"losses": recorder.losses, "grad_norms": recorder.grad_norms, "dropouts_silenced": silenced,
+            "warnings": kept.messages}
 
 
 def main(argv: list[str]) -> int:

@@ -37,6 +37,7 @@ class Pipeline(Component):
         self.enabled = config.pp > 1
         self.pp, self.vp = config.pp, config.vp_size
         self.num_microbatches, self.pipeline_layers = config.num_microbatches, config.pipeline_layers
+        self.stage_layers = config.pipeline_stage_layers
         self.schedule = config.pipeline_schedule
         self.placement = schedule_placement(self.schedule, self.pp, self.vp) if self.enabled else None
         self._tied: list[nn.Parameter] = []
@@ -67,7 +68,7 @@ class Pipeline(Component):
             refuse_parallel_lists(module, anatomy.stack_path, self.pp)
         order = self._forward_order(module, anatomy.stack_path)
         assignment = assign_layers(len(order.stack_calls) if order is not None else len(anatomy.stack), self.pp,
-                                   self.vp, self.placement)
+                                   self.vp, self.placement, self.stage_layers)
         refusal = loop_state_refusal(order, anatomy.stack_path, assignment)
         if refusal is not None:
             raise MegatronConfigError(f"pp={self.pp}: {refusal}")
@@ -89,7 +90,7 @@ class Pipeline(Component):
         layout = seq2seq_layout(module, self._seq2seq_orders)
         self._seq2seq_orders = layout.orders
         refuse_seq2seq_layout(layout, self.schedule, self.pipeline_layers)
-        assignment = assign_layers(layout.num_blocks, self.pp, self.vp, self.placement)
+        assignment = assign_layers(layout.num_blocks, self.pp, self.vp, self.placement, self.stage_layers)
         refuse_seq2seq_loop_state(layout, assignment, self.pp)
         if self.vp > 1:
             validate_schedule(self.num_microbatches, self.pp, self.vp)
@@ -123,7 +124,8 @@ class Pipeline(Component):
             module,
             stack_path=anatomy.stack_path,
             stack=anatomy.stack,
-            assignment=assign_layers(len(stack_calls or anatomy.stack), self.pp, self.vp, self.placement),
+            assignment=assign_layers(len(stack_calls or anatomy.stack), self.pp, self.vp, self.placement,
+                                     self.stage_layers),
             pp_rank=ps.pp_rank,
             pp_size=self.pp,
             vp_size=self.vp,

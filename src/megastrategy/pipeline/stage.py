@@ -25,7 +25,7 @@ from torch import nn
 from torch.utils._pytree import tree_map
 
 from megastrategy.anatomy import ModelAnatomy, find_layer_stack, get_submodule_path
-from megastrategy.batch_tree import flatten_batch, unflatten_batch
+from megastrategy.batch_tree import PerExample, flatten_batch, unflatten_batch
 from megastrategy.errors import MegatronConfigError
 from megastrategy.pipeline.boundary_pack import pack, unpack
 from megastrategy.pipeline.forward_order import MetaAttributes, block_outputs, meta_copy
@@ -556,7 +556,8 @@ def _reused_stack(
 
 
 def iter_microbatches(batch: Any, num_microbatches: int) -> Iterator[Any]:
-    """Split every tensor of ``batch`` along dim 0 into ``num_microbatches`` equal parts."""
+    """Split every tensor of ``batch`` along dim 0 into ``num_microbatches`` equal parts, and every
+    list of plain values as long as the batch (the texts beside their token ids) alike."""
     leaves, spec = flatten_batch(batch)
     sizes = {leaf.shape[0] for leaf in leaves if isinstance(leaf, torch.Tensor) and leaf.dim() > 0}
     if not sizes and num_microbatches == 1:
@@ -580,13 +581,21 @@ def iter_microbatches(batch: Any, num_microbatches: int) -> Iterator[Any]:
             f"num_microbatches={num_microbatches} does not divide the batch size {size}; "
             f"use a batch size that is a multiple of {num_microbatches}, or num_microbatches in {divisors}."
         )
+    if not all(isinstance(leaf, torch.Tensor) for leaf in leaves):  # texts beside the tensors are split too
+        leaves, spec = flatten_batch(batch, examples=size)
     step = size // num_microbatches
     for m in range(num_microbatches):
-        yield unflatten_batch(
-            [_own_slice(leaf, m * step, (m + 1) * step) if isinstance(leaf, torch.Tensor) and leaf.dim() > 0 else leaf
-             for leaf in leaves],
-            spec,
-        )
+        yield unflatten_batch([_microbatch_of(leaf, m * step, step) for leaf in leaves], spec)
+
+
+def _microbatch_of(leaf: Any, start: int, length: int) -> Any:
+    """Rows ``start .. start + length`` of a tensor with a batch dimension or of per-example values;
+    any other leaf whole."""
+    if isinstance(leaf, torch.Tensor) and leaf.dim() > 0:
+        return _own_slice(leaf, start, start + length)
+    if isinstance(leaf, PerExample):
+        return leaf[start : start + length]
+    return leaf
 
 
 def _own_slice(leaf: torch.Tensor, start: int, stop: int) -> torch.Tensor:

@@ -12,6 +12,7 @@ per leaf of the output (a tensor, dict, tuple, Hugging Face ``ModelOutput``):
   int (a count) is summed; so is a tensor whose first size is not the microbatch's, a value for the
   whole batch (``loss.reshape(1)``, Lightning's ``BoringModel``-style ``predict_step``): concatenated,
   a batch of 4 in two microbatches returned two losses where one device returns one;
+* a list of strings as long as the microbatch (decoded texts) is concatenated;
 * any other value (a string, a flag) is kept when every microbatch gave the same, else the list
   of per-microbatch values is returned in its place.
 """
@@ -22,7 +23,7 @@ from typing import Any, Optional
 import torch
 from torch import Tensor
 
-from megastrategy.batch_tree import flatten_batch, unflatten_batch
+from megastrategy.batch_tree import PerExample, flatten_batch, unflatten_batch
 from megastrategy.errors import MegatronConfigError
 
 __all__ = ["join_step_outputs"]
@@ -33,7 +34,8 @@ def join_step_outputs(outputs: list, step_name: str, sizes: Optional[list] = Non
     ``sizes``: each microbatch's number of examples (``None``: every shaped tensor has a batch dimension)."""
     if all(o is None for o in outputs):
         return None
-    flat = [flatten_batch(o) for o in outputs]
+    counts = sizes if sizes is not None and len(sizes) == len(outputs) else [None] * len(outputs)
+    flat = [flatten_batch(o, examples=n) for o, n in zip(outputs, counts)]
     spec = flat[0][1]
     if any(o is None for o in outputs) or any(s != spec for _, s in flat):
         raise MegatronConfigError(
@@ -62,6 +64,8 @@ def _join_leaf(values: list, sizes: Optional[list] = None) -> Any:
             return torch.cat(tensors)
         stacked = torch.stack(tensors)
         return stacked.mean(0) if stacked.is_floating_point() else stacked.sum(0)
+    if all(isinstance(v, PerExample) for v in values):  # texts per example: in order, as one device's
+        return PerExample(tuple(x for v in values for x in v.values))
     if isinstance(first, bool) or not isinstance(first, (int, float)):
         return first if all(_equal(v, first) for v in values) else values
     if isinstance(first, float):

@@ -20,8 +20,8 @@ The components (:mod:`megastrategy.component`) see the same protocol in both cas
 from __future__ import annotations
 
 import logging
-from contextlib import ExitStack, nullcontext
-from typing import Any, Callable, Mapping, Optional, Sequence
+from contextlib import ExitStack, contextmanager, nullcontext
+from typing import Any, Callable, Iterator, Mapping, Optional, Sequence
 
 import torch
 
@@ -38,6 +38,7 @@ from megastrategy.pipeline.schedules import forward_only_steps
 from megastrategy.pipeline.stage import PipelineStage, StageBoundary, iter_microbatches
 from megastrategy.pipeline.step_output import join_step_outputs
 from megastrategy.pipeline.suspended_step import StepThreads, SuspendedStep
+from megastrategy.pipeline.summed_losses import SummedLosses
 from megastrategy.pipeline.token_means import TokenMeans
 
 __all__ = ["StepRunner"]
@@ -77,6 +78,7 @@ class StepRunner:
         self._capture: Optional[Any] = None  # this step's log capture (pipelined steps only)
         self._ragged_sizes_told: set = set()  # batch sizes (or opaque batch types) run with fewer microbatches, warned once
         self._token_means = token_means  # the batch's token means over microbatches (pipelined steps)
+        self._summed_losses = SummedLosses()  # sum-reduced losses over microbatches, warned about
 
     @classmethod
     def build(cls, ctx: SetupContext, components: Sequence[Component]) -> "StepRunner":
@@ -135,7 +137,7 @@ class StepRunner:
         outputs: list = []
         user_step = self._user_step(getattr(module, step_name), microbatches, args[1:], kwargs, step)
         if self.pipelined:
-            with self._token_means_over(step, microbatches):
+            with self._losses_watched_over(step, microbatches):
                 # microbatches are equal parts of the batch: one size for all
                 sizes = [_leading_size(microbatches[0])] * len(microbatches)
                 result = self._run_pipelined(module, step, user_step, outputs, sizes)
@@ -150,10 +152,18 @@ class StepRunner:
             c.end_step(module, step)
         return result
 
-    def _token_means_over(self, step: StepInfo, microbatches: list) -> Any:
-        if self._token_means is None or len(microbatches) < 2:
-            return nullcontext()
-        return self._token_means.step(step.name, microbatches)
+    @contextmanager
+    def _losses_watched_over(self, step: StepInfo, microbatches: list) -> Iterator[None]:
+        """Token means made the batch's, and sum-reduced losses warned about, while a step of
+        several microbatches runs."""
+        if len(microbatches) < 2:
+            yield
+            return
+        with ExitStack() as stack:
+            stack.enter_context(self._summed_losses.step(step.name, len(microbatches)))
+            if self._token_means is not None:
+                stack.enter_context(self._token_means.step(step.name, microbatches))
+            yield
 
     def _split(self, step_name: str, args: tuple, kwargs: Mapping[str, Any]) -> list:
         batch = args[0]

@@ -10,6 +10,7 @@ from megastrategy.config import MegatronConfig
 from megastrategy.errors import MegatronConfigError
 from megastrategy.layers.block_capture import capture_blocks
 from megastrategy.layers.block_check import verify_sharded_blocks
+from megastrategy.layers.block_fallback import keep_failing_blocks_whole
 from megastrategy.layers.plan import ResolvedPlan, apply_tp_plan, resolve_tp_plan
 
 
@@ -20,7 +21,9 @@ class TensorParallel(Component):
     first collective. After sharding, each distinct sharded block is run against its unsharded
     copy on a random input (``block_check``; outside Hugging Face on a guessed one,
     ``plain_block_inputs``): a plan that would be silently wrong, or whose forward cannot run on
-    the local heads, refuses to train, naming the block. At ``tp=1`` it is still resolved: the Transformer Engine backend swaps
+    the local heads, refuses to train, naming the block. An auto-detected block that would fail
+    the check is found first, on a sharded copy, and kept whole instead (``block_fallback``, one
+    warning); only blocks the user named in ``tp_plan`` still refuse. At ``tp=1`` it is still resolved: the Transformer Engine backend swaps
     exactly the layers the plan marks.
     """
 
@@ -40,6 +43,8 @@ class TensorParallel(Component):
         group = ctx.parallel_state.tp_group
         if self.tp > 1:
             captured = capture_blocks(module, self.plan)
+            self.plan, captured = keep_failing_blocks_whole(module, self.plan, captured, group, self.tp, ctx.rng_tracker)
+            ctx.plan = self.plan
             apply_tp_plan(module, self.plan, group=group, rng_tracker=ctx.rng_tracker)
             verify_sharded_blocks(module, captured, group, self.tp)
         elif ctx.backend_in_use == "te":  # at tp=1 the plan marks what TE takes over

@@ -38,6 +38,7 @@ class PlanContext:
             raise MegatronConfigError(f"resolve_tp_plan needs an nn.Module, got {type(module).__name__}.")
         named = [(n, m) for n, m in module.named_modules() if n]
         rules = parse_tp_plan(tp_plan)
+        auto_mode = tp_plan is None or any(r.style == AUTO for r in rules)
         return cls(
             module=module,
             tp_plan=tp_plan,
@@ -46,8 +47,10 @@ class PlanContext:
             modules=dict(named),
             names=[n for n, _ in named],
             rules=rules,
-            auto_mode=tp_plan is None or any(r.style == AUTO for r in rules),
-            detection=detect_builtin_plan(module),
+            auto_mode=auto_mode,
+            # a user's own layer stack is traced only when asked to detect at tp > 1: a plan without
+            # 'auto' is used as given, and the trace runs the model (at tp=1 nothing is sharded)
+            detection=detect_builtin_plan(module, user_stacks=auto_mode and tp_size > 1),
         )
 
     def submodule(self, name: str) -> nn.Module:

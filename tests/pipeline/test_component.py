@@ -26,8 +26,9 @@ def test_encoder_decoder_under_pp_joins_its_two_stacks_and_refuses_what_it_does_
     config = transformers.T5Config(vocab_size=64, d_model=16, d_ff=32, num_layers=2, num_heads=2, d_kv=8)
     module = transformers.T5ForConditionalGeneration(config)
     Pipeline(MegatronConfig(pp=2)).validate(module, None)  # 2 encoder + 2 decoder blocks over 2 stages
-    with pytest.raises(MegatronConfigError, match="num_layers=4 cannot be split evenly into pp_size=3"):
-        Pipeline(MegatronConfig(pp=3)).validate(module, None)
+    Pipeline(MegatronConfig(pp=3)).validate(module, None)  # 2 + 1 + 1: stage 1 starts at the seam
+    with pytest.raises(MegatronConfigError, match="num_layers=4 cannot fill pp_size=5"):
+        Pipeline(MegatronConfig(pp=5)).validate(module, None)
     with pytest.raises(MegatronConfigError, match=r"pipeline_schedule='zb_h1' with an encoder-decoder.*'1f1b'"):
         Pipeline(MegatronConfig(pp=2, pipeline_schedule="zb_h1")).validate(module, None)
 

@@ -10,22 +10,26 @@ depths; pp4's stage 2, which also holds a third copy of the shared embedding), i
 ``bart-2-6``: the first stage runs the whole encoder and the decoder's first blocks), and inside the
 decoder (T5's two position biases and the encoder's output cross with the hidden state).
 """
+import tempfile
 from functools import lru_cache
 from pathlib import Path
 
 import pytest
+import torch
 
 from tests.helpers.launch import run_script
 
 SCRIPT = Path(__file__).parents[1] / "scripts" / "train_seq2seq_stages.py"
 TOL = 2e-4
+WEIGHTS_TOL = 1e-3  # after 4 AdamW steps at lr 2e-2 (Adam's normalized step amplifies 1e-7 gradient noise)
+WEIGHTS = tempfile.mkdtemp(prefix="seq2seq-weights-")
 pytestmark = pytest.mark.slow
 
 ALL = ("t5", "bart", "mbart", "marian", "pegasus", "m2m_100", "whisper", "t5-6-2", "bart-2-6")
 LAYOUTS = {  # name: (processes, strategy arguments, models)
     "pp2": (2, ("--pp", "2"), ALL),
     "pp2-vp2": (2, ("--pp", "2", "--vp", "2"), ("t5", "bart")),
-    "pp4": (4, ("--pp", "4"), ("t5",)),
+    "pp4": (4, ("--pp", "4", "--weights", f"{WEIGHTS}/pp4"), ("t5",)),  # its checkpoint, consolidated, too
 }
 
 
@@ -37,7 +41,7 @@ def _run(nprocs: int, strategy: str, models: tuple, *extra: str) -> dict:
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
 def test_encoder_decoders_train_like_one_device(layout):
     nprocs, extra, models = LAYOUTS[layout]
-    ours, ref = _run(nprocs, "megatron", models, *extra), _run(1, "ddp", ALL)
+    ours, ref = _run(nprocs, "megatron", models, *extra), _run(1, "ddp", ALL, "--weights", f"{WEIGHTS}/ref")
     failures = {}
     for name in models:
         assert isinstance(ref[name], dict) and len(ref[name]["train"]) == 4, (name, ref[name])
@@ -50,3 +54,8 @@ def test_encoder_decoders_train_like_one_device(layout):
         if len(got) != len(want) or diff >= TOL:
             failures[name] = f"differs by {diff:.2e}: {got} vs {want}"
     assert not failures, failures
+    for name in (n for n in models if "weights" in ours[n]):  # three copies of T5's shared embedding at pp4
+        got, want = torch.load(ours[name]["weights"]), torch.load(ref[name]["weights"])
+        assert list(got) == list(want), f"{name}: the consolidated checkpoint's keys differ from the state_dict's"
+        worst = max((got[k] - want[k]).abs().max().item() for k in want)
+        assert worst < WEIGHTS_TOL, f"{name}: the consolidated weights differ by {worst:.2e}"

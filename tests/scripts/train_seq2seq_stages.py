@@ -134,7 +134,26 @@ def train(name: str, args) -> dict:
                         enable_checkpointing=False, num_sanity_val_steps=0, limit_val_batches=2,
                         val_check_interval=args.steps)
     trainer.fit(module)
-    return {"train": losses.losses, "val": float(trainer.callback_metrics["val_loss"])}
+    result = {"train": losses.losses, "val": float(trainer.callback_metrics["val_loss"])}
+    if args.weights:  # the final weights, whole: the strategy's checkpoint consolidated, or DDP's own
+        result["weights"] = _final_weights(trainer, module, Path(args.weights) / name, args.strategy)
+    return result
+
+
+def _final_weights(trainer, module, path: Path, strategy: str) -> str:
+    """Where rank 0 saved the whole final ``state_dict`` (a pipelined run's is read back from its checkpoint)."""
+    out = path.with_suffix(".pt")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    if strategy == "ddp":
+        torch.save(module.state_dict(), out)
+        return str(out)
+    from megastrategy.checkpoint import load_full_model_state
+
+    trainer.save_checkpoint(str(path))
+    torch.distributed.barrier()
+    if int(os.environ["RANK"]) == 0:
+        torch.save(load_full_model_state(path), out)
+    return str(out)
 
 
 def main() -> None:
@@ -145,6 +164,7 @@ def main() -> None:
     p.add_argument("--pp", type=int, default=2)
     p.add_argument("--vp", type=int, default=None)
     p.add_argument("--tp", type=int, default=1)
+    p.add_argument("--weights", help="a folder: save each model's final weights there, whole")
     p.add_argument("--steps", type=int, default=4)
     args = p.parse_args()
     args.devices, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])  # read once: a fit may change them

@@ -10,6 +10,8 @@ depths; pp4's stage 2, which also holds a third copy of the shared embedding), i
 ``bart-2-6``: the first stage runs the whole encoder and the decoder's first blocks), and inside the
 decoder (T5's two position biases and the encoder's output cross with the hidden state).
 """
+import atexit
+import shutil
 import tempfile
 from functools import lru_cache
 from pathlib import Path
@@ -23,6 +25,7 @@ SCRIPT = Path(__file__).parents[1] / "scripts" / "train_seq2seq_stages.py"
 TOL = 2e-4
 WEIGHTS_TOL = 1e-3  # after 4 AdamW steps at lr 2e-2 (Adam's normalized step amplifies 1e-7 gradient noise)
 WEIGHTS = tempfile.mkdtemp(prefix="seq2seq-weights-")
+atexit.register(shutil.rmtree, WEIGHTS, ignore_errors=True)
 pytestmark = pytest.mark.slow
 
 ALL = ("t5", "bart", "mbart", "marian", "pegasus", "m2m_100", "whisper", "t5-6-2", "bart-2-6")

@@ -33,6 +33,8 @@ LAYOUTS = {  # name: (processes, strategy arguments, models)
     "pp2": (2, ("--pp", "2"), ALL),
     "pp2-vp2": (2, ("--pp", "2", "--vp", "2"), ("t5", "bart")),
     "pp4": (4, ("--pp", "4", "--weights", f"{WEIGHTS}/pp4"), ("t5",)),  # its checkpoint, consolidated, too
+    # ZB-V: rank 0 holds the first and the last stage, rank 1 the seam (the embedding summed over the pipeline)
+    "pp2-zb_v": (2, ("--pp", "2", "--schedule", "zb_v", "--microbatches", "4"), ("t5",)),
 }
 
 

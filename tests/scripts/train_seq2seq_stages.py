@@ -127,7 +127,9 @@ def train(name: str, args) -> dict:
     else:
         from megastrategy import MegatronStrategy
 
-        strategy = MegatronStrategy(tp=args.tp, pp=args.pp, vp=args.vp, heartbeat_timeout=60.0)
+        strategy = MegatronStrategy(tp=args.tp, pp=args.pp, vp=args.vp, pipeline_schedule=args.schedule,
+                                    num_microbatches=args.microbatches,
+                                    heartbeat_timeout=60.0)
     losses = Losses()
     trainer = L.Trainer(accelerator="cpu", devices=args.devices, strategy=strategy, max_steps=args.steps,
                         callbacks=[losses], logger=False, enable_progress_bar=False, enable_model_summary=False,
@@ -164,6 +166,8 @@ def main() -> None:
     p.add_argument("--pp", type=int, default=2)
     p.add_argument("--vp", type=int, default=None)
     p.add_argument("--tp", type=int, default=1)
+    p.add_argument("--schedule", default="1f1b")
+    p.add_argument("--microbatches", type=int, default=None)
     p.add_argument("--weights", help="a folder: save each model's final weights there, whole")
     p.add_argument("--steps", type=int, default=4)
     args = p.parse_args()

@@ -76,6 +76,9 @@ class Pipeline(Component):
             placed = ModelAnatomy.of(module, anatomy.stack_path, order.called if order is not None else None)
             refuse_stand_in_values(module, placed, order, assignment, self.placement)
             self._probed_of = id(module)
+        self._validate_schedule()
+
+    def _validate_schedule(self) -> None:
         if self.schedule == "zb_v":
             check_zb_v(self.num_microbatches, self.pp)
         elif self.vp > 1:
@@ -89,11 +92,10 @@ class Pipeline(Component):
             self._seq2seq_orders, self._seq2seq_of = None, id(module)
         layout = seq2seq_layout(module, self._seq2seq_orders)
         self._seq2seq_orders = layout.orders
-        refuse_seq2seq_layout(layout, self.schedule, self.pipeline_layers)
+        refuse_seq2seq_layout(layout, self.pipeline_layers)
         assignment = assign_layers(layout.num_blocks, self.pp, self.vp, self.placement, self.stage_layers)
         refuse_seq2seq_loop_state(layout, assignment, self.pp)
-        if self.vp > 1:
-            validate_schedule(self.num_microbatches, self.pp, self.vp)
+        self._validate_schedule()
         return layout, assignment
 
     def _apply_seq2seq(self, module: nn.Module, ctx: SetupContext) -> None:

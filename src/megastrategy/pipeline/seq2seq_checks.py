@@ -23,21 +23,15 @@ from megastrategy.pipeline.placement import StagePlacement
 from megastrategy.pipeline.seq2seq_layout import Seq2SeqLayout
 from megastrategy.pipeline.seq2seq_stage import held_modules
 
-__all__ = ["Seq2SeqTied", "refuse_seq2seq_layout", "refuse_seq2seq_loop_state", "SUPPORTED_SCHEDULES"]
-
-SUPPORTED_SCHEDULES = ("1f1b",)
+__all__ = ["Seq2SeqTied", "refuse_seq2seq_layout", "refuse_seq2seq_loop_state"]
 
 
-def refuse_seq2seq_layout(layout: Seq2SeqLayout, schedule: str, pipeline_layers: Optional[str]) -> None:
-    """Refuse what the joined stack does not run (yet), naming what does."""
+def refuse_seq2seq_layout(layout: Seq2SeqLayout, pipeline_layers: Optional[str]) -> None:
+    """Refuse a stack the user names: the joined stack is the encoder-decoder's own."""
     if pipeline_layers is not None:
         raise MegatronConfigError(
             f"pipeline_layers={pipeline_layers!r} with an encoder-decoder: the pipeline joins its two stacks "
             f"({layout.encoder_path} then {layout.decoder_path}) itself. Leave pipeline_layers unset.")
-    if schedule not in SUPPORTED_SCHEDULES:
-        raise MegatronConfigError(
-            f"pipeline_schedule={schedule!r} with an encoder-decoder: its joined stack runs with "
-            f"{' or '.join(map(repr, SUPPORTED_SCHEDULES))} (interleaved with vp > 1) only. Use pipeline_schedule='1f1b'.")
 
 
 def refuse_seq2seq_loop_state(layout: Seq2SeqLayout, assignment: list[list[list[int]]], pp: int) -> None:

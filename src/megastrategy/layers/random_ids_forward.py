@@ -4,6 +4,7 @@ input that both setup-time block verification and structural plan detection feed
 real data is not known yet."""
 from __future__ import annotations
 
+import inspect
 import math
 
 import torch
@@ -28,6 +29,8 @@ def forward_on_random_ids(root: nn.Module) -> None:
     inputs = {main: random_main_input(main, config, gen).to(device)} if main != "input_ids" else {"input_ids": ids}
     # an encoder-decoder (T5, BART, Whisper) runs its decoder on the ids
     extra = {"decoder_input_ids": ids} if getattr(config, "is_encoder_decoder", False) else {}
+    if main == "input_ids" and _takes_images(root, config):  # a dual encoder (CLIPModel) reads both
+        extra["pixel_values"] = random_main_input("pixel_values", config, gen).to(device)
     with torch.no_grad():
         try:
             root(**inputs, use_cache=False, **extra)
@@ -40,9 +43,10 @@ def random_main_input(name: str, config, gen: torch.Generator) -> torch.Tensor:
     ``image_size`` (ViT, Swin, ConvNeXt), a waveform of 16 frames after the feature extractor's
     strides (Wav2Vec2), ``2 * max_source_positions`` mel frames (Whisper's encoder checks the length)."""
     if name == "pixel_values":
-        size = getattr(config, "image_size", 224)
+        vision = _vision_config(config)
+        size = getattr(vision, "image_size", 224)
         h, w = (size, size) if isinstance(size, int) else tuple(size)[-2:]
-        shape = (2, int(getattr(config, "num_channels", 3)), h, w)
+        shape = (2, int(getattr(vision, "num_channels", 3)), h, w)
     elif name == "input_values":
         shape = (2, 16 * math.prod(getattr(config, "conv_stride", (320,))))
     elif name == "input_features":
@@ -50,3 +54,21 @@ def random_main_input(name: str, config, gen: torch.Generator) -> torch.Tensor:
     else:
         raise TypeError(f"no random input for a model whose main input is {name!r}")
     return torch.randn(shape, generator=gen)
+
+
+def _takes_images(root: nn.Module, config) -> bool:
+    """A text-and-image model (CLIP's, SigLIP's dual encoder): its forward takes ``pixel_values``
+    besides the ids, and its config sizes the images in a ``vision_config``."""
+    try:
+        params = inspect.signature(root.forward).parameters
+    except (TypeError, ValueError):
+        return False
+    return "pixel_values" in params and getattr(config, "vision_config", None) is not None
+
+
+def _vision_config(config):
+    """The config that sizes the images: a composite model's ``vision_config`` (CLIP, SigLIP,
+    MetaCLIP-2 keep ``image_size`` there, not on the top-level config), else the config itself."""
+    if getattr(config, "image_size", None) is None and getattr(config, "vision_config", None) is not None:
+        return config.vision_config
+    return config

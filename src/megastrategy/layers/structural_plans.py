@@ -98,10 +98,10 @@ class _Detector:
     def region(self, out: str) -> frozenset[str] | None:
         """The column layers closed by ``out``, or None if ``out`` closes no clean region."""
         sources = self.flow.sources.get(out, frozenset())
-        parent = parent_name(out)
         if not sources or out in sources or not sources <= self.linears:
             return None
-        if any(parent_name(s) != parent for s in sources):
+        parent = _scope(out, sources)
+        if parent is None:
             return None
         if len({self.flow.input_id.get(s) for s in sources}) > 2:  # one input, or a query and a memory
             return None
@@ -119,14 +119,17 @@ class _Detector:
         return sorted(found)
 
     def add(self, out: str, sources: frozenset[str]) -> None:
-        owner = parent_name(out)
+        owner = parent_name(next(iter(sources)))  # holds the head counts (BERT's attention.self)
+        scope = _scope(out, sources) or owner
         heads = _head_counts(self.modules[owner]) if owner else {}
         if not heads:
             members = [(self.full(s), "column", {}) for s in sorted(sources)]
-            members += [(self.full(d), "dropout", {}) for d in self.inside(owner, sources, nn.Dropout)]
+            members += [(self.full(d), "dropout", {}) for d in self.inside(scope, sources, nn.Dropout)]
             members.append((self.full(out), "row", {}))
-            self.units.append(BuiltinUnit(self.arch, "mlp", self.full(owner), members, origin="structural"))
+            self.units.append(BuiltinUnit(self.arch, "mlp", self.full(scope), members, origin="structural"))
             return
+        if self.unrun_projections(owner):
+            return  # left whole: see unrun_projections
         chunks: int | str = 1
         if len(sources) == 1:
             (packed,) = sources
@@ -138,15 +141,28 @@ class _Detector:
                 return
         self.units.append(self._attention(owner, out, sources, chunks, heads))
 
+    def unrun_projections(self, owner: str) -> list[str]:
+        """Linear layers of the attention ``owner`` that the probe forward never ran (Longformer's
+        ``query_global``/``key_global``/``value_global``, used only under a global attention mask).
+        How they read the heads is unknown, and sharding only the layers that ran would leave them
+        reading the full heads of divided head counts, so the attention stays whole (exact); the
+        rest of the model is still sharded."""
+        return [n for n in self.linears if parent_name(n) == owner and n not in self.flow.sources]
+
     def _attention(self, owner: str, out: str, sources: frozenset[str], chunks: int, heads: dict[str, int]) -> BuiltinUnit:
         extra: dict[str, Any] = {"packed_chunks": chunks} if chunks > 1 else {}
+        scope = _scope(out, sources) or owner
         members = [(self.full(s), "column", dict(extra)) for s in sorted(sources)]
         members += [(self.full(n), "grad_sum", {}) for n in self.inside(owner, sources, nn.Module)
                     if any(True for _ in self.modules[n].parameters(recurse=False))]
+        dropouts = self.inside(scope, sources, nn.Dropout)
+        members += [(self.full(d), "dropout", {}) for d in dropouts if not d.startswith(owner + ".")]
         members.append((self.full(out), "row", {}))
         members += self._head_bias(owner, heads)
-        dropouts = self.inside(owner, sources, nn.Dropout)
-        rng = (self.full(out), f"{dropouts[0][len(owner) + 1:]}.p") if dropouts else None
+        dropouts = [d for d in dropouts if d.startswith(owner + ".")]
+        # the owner's forward ends before ``out`` runs when ``out`` is its sibling's (BERT's attention.output)
+        until = self.full(out) if out.startswith(owner + ".") else None
+        rng = (until, f"{dropouts[0][len(owner) + 1:]}.p") if dropouts else None
         return BuiltinUnit(
             self.arch, "attention", self.full(owner), members, divide_attrs=tuple(heads) + self._width_attrs(owner, out),
             checks=[SizeCheck(self.full(owner), a, v, "attention heads") for a, v in heads.items()],
@@ -193,6 +209,23 @@ class _Detector:
 
     def _shared_with_embeddings(self, emb: nn.Embedding) -> bool:
         return any(isinstance(m, nn.Embedding) and m is not emb and m.weight is emb.weight for m in self.modules.values())
+
+
+def _scope(out: str, sources: frozenset[str]) -> str | None:
+    """The module holding the whole region: the column layers' parent when it also holds ``out``
+    (GPT's ``attn.q/k/v`` -> ``attn.o``), or the parent of both when the columns and ``out`` sit in
+    sibling modules, as in BERT's layout (``attention.self.query`` -> ``attention.output.dense``,
+    ``intermediate.dense`` -> ``output.dense``; Data2Vec-vision, FNet, MobileViT, DeBERTa v1);
+    ``None`` when the columns have different parents or lie elsewhere."""
+    parents = {parent_name(s) for s in sources}
+    if len(parents) != 1:
+        return None
+    (parent,) = parents
+    if parent_name(out) == parent:
+        return parent
+    if parent and parent_name(parent) == parent_name(parent_name(out)) and parent_name(out) != parent_name(parent):
+        return parent_name(parent) or None
+    return None
 
 
 def _head_wide_table(m: nn.Module, heads: set[int]) -> int | None:

@@ -44,6 +44,12 @@ _SPLIT_OPS = ("split", "chunk", "tensor_split", "split_with_sizes")
 _VIEW_OPS = ("view", "reshape", "unflatten")
 
 
+#: attentions whose forward cannot run on local heads, left whole (exact) while the rest of the model is
+#: sharded. Longformer's compares ``embed_dim`` with its input's width and reshapes the heads' output to
+#: that width (dividing ``embed_dim`` breaks the first, keeping it the second), and its global-attention
+#: projections run only for tokens a global attention mask selects.
+_KEEP_WHOLE = ("LongformerSelfAttention",)
+
 #: attention attributes that may hold the heads' concatenated width (see ``_width_attrs``)
 _WIDTH_ATTRS = ("embed_dim",)
 
@@ -67,6 +73,8 @@ def _packing(use: FirstUse | None, heads: set[int]) -> int | str:
         lead = len(use.shape) - 1
         result = use.results[0]
         suffix = result[lead:]
+        if result[:lead] == use.shape[:lead] and len(suffix) == 2 and suffix[0] in heads:
+            return 1  # [heads, 3 * head_dim], chunked per head afterwards (DeBERTa v1's in_proj)
         if result[:lead] == use.shape[:lead] and len(suffix) >= 3:
             readings = []
             if suffix[0] in heads:
@@ -128,8 +136,8 @@ class _Detector:
             members.append((self.full(out), "row", {}))
             self.units.append(BuiltinUnit(self.arch, "mlp", self.full(scope), members, origin="structural"))
             return
-        if self.unrun_projections(owner):
-            return  # left whole: see unrun_projections
+        if self.unrun_projections(owner) or type(self.modules[owner]).__name__ in _KEEP_WHOLE:
+            return  # left whole: see unrun_projections, _KEEP_WHOLE
         chunks: int | str = 1
         if len(sources) == 1:
             (packed,) = sources
@@ -159,6 +167,7 @@ class _Detector:
         members += [(self.full(d), "dropout", {}) for d in dropouts if not d.startswith(owner + ".")]
         members.append((self.full(out), "row", {}))
         members += self._head_bias(owner, heads)
+        members += self._head_vectors(owner, out)
         dropouts = [d for d in dropouts if d.startswith(owner + ".")]
         # the owner's forward ends before ``out`` runs when ``out`` is its sibling's (BERT's attention.output)
         until = self.full(out) if out.startswith(owner + ".") else None
@@ -177,6 +186,14 @@ class _Detector:
         width = getattr(self.modules[out], "in_features", None)
         module = self.modules[owner]
         return tuple(a for a in _WIDTH_ATTRS if isinstance(width, int) and getattr(module, a, None) == width)
+
+    def _head_vectors(self, owner: str, out: str) -> list[tuple[str, str, dict[str, Any]]]:
+        """DeBERTa v1's ``q_bias``/``v_bias``: vectors of the attention itself as wide as the heads'
+        concatenated width (what the row layer takes in), read by head (:mod:`megastrategy.layers.head_vectors`)."""
+        width = getattr(self.modules[out], "in_features", None)
+        params = tuple(n for n, p in self.modules[owner]._parameters.items()
+                       if p is not None and p.dim() == 1 and p.shape[0] == width)
+        return [(self.full(owner), "head_vector", {"params": params})] if params else []
 
     def _head_bias(self, owner: str, heads: dict[str, int]) -> list[tuple[str, str, dict[str, Any]]]:
         """T5's relative position bias: a per-head table (an Embedding whose width is the head

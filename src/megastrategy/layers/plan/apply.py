@@ -165,6 +165,7 @@ class _ShardedLayerBuilder:
             "grad_sum": self._grad_sum,
             "head_table": self._head_table,
             "head_bias_input": self._head_bias_input,
+            "head_vector": self._head_vector,
         }.get(e.style)
         if build is None:
             raise AssertionError(e.style)
@@ -256,3 +257,8 @@ def _hook_rng_regions(
         if region.until is not None:
             until = replaced.get(region.until) or modules[region.until]
             until.register_forward_pre_hook(hooks.leave_early)
+
+    def _head_vector(self, e: PlanEntry, m: nn.Module) -> nn.Module:
+        from megastrategy.layers.head_vectors import narrow_head_vectors
+
+        return narrow_head_vectors(m, self.group, tuple(e.extra["params"]))

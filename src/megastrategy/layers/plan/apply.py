@@ -245,6 +245,11 @@ class _ShardedLayerBuilder:
 
         return narrow_head_bias_input(m, self.group, int(e.extra["heads"]), str(e.extra["bias_kwarg"]))
 
+    def _head_vector(self, e: PlanEntry, m: nn.Module) -> nn.Module:
+        from megastrategy.layers.head_vectors import narrow_head_vectors
+
+        return narrow_head_vectors(m, self.group, tuple(e.extra["params"]))
+
 
 def _hook_rng_regions(
     module: nn.Module, modules: dict[str, nn.Module], replaced: dict[str, nn.Module], plan: ResolvedPlan, rng_tracker
@@ -257,8 +262,3 @@ def _hook_rng_regions(
         if region.until is not None:
             until = replaced.get(region.until) or modules[region.until]
             until.register_forward_pre_hook(hooks.leave_early)
-
-    def _head_vector(self, e: PlanEntry, m: nn.Module) -> nn.Module:
-        from megastrategy.layers.head_vectors import narrow_head_vectors
-
-        return narrow_head_vectors(m, self.group, tuple(e.extra["params"]))

@@ -68,6 +68,8 @@ _TASK_INPUTS = {
     "audio": {"input_values": ((160,), None), "labels": ((), 3)},
     "ctc": {"input_values": ((160,), None), "labels": ((5,), VOCAB)},  # 5 tokens for 15 frames
     "asr": {"input_features": ((8, 32), None), "labels": ((SEQ,), VOCAB)},
+    # a dual encoder (CLIPModel with return_loss=True): text and images of matching pairs, contrastive loss
+    "dual": {"input_ids": ((SEQ,), 100), "pixel_values": ((3, 16, 16), None)},
 }
 
 

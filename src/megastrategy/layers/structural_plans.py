@@ -4,7 +4,9 @@ declares none and has no built-in rules (Falcon, Persimmon, ...).
 The model runs once on random ids while :mod:`megastrategy.layers.dataflow` records which
 linear layer's output reaches which linear layer's input. A linear layer ``out`` whose input
 comes only from sibling linear layers fed at most two tensors (the hidden states; in
-cross-attention the query's and the memory's), none of whose outputs goes anywhere else, closes a Megatron region: the siblings are ``column``, ``out`` is ``row``.
+cross-attention the query's and the memory's), none of whose outputs goes anywhere else, closes a Megatron region: the siblings are ``column``, ``out`` is ``row``. The siblings may also sit in a
+module beside ``out``'s, as in BERT's layout (``attention.self.query`` -> ``attention.output.dense``,
+``intermediate.dense`` -> ``output.dense``: Data2Vec-vision, FNet, MobileViT, DeBERTa v1).
 
 * If the parent counts heads (an ``int`` attribute in :data:`HEAD_ATTRS`) it is an
   **attention** block: the head counts are divided by ``tp`` (and must be divisible). One packed
@@ -18,6 +20,9 @@ cross-attention the query's and the memory's), none of whose outputs goes anywhe
   wide as the head count: T5's relative position bias) is ``head_table``, and an attention
   taking a ``position_bias`` (T5, MPT) or ``alibi`` (Bloom) argument is ``head_bias_input`` (:mod:`megastrategy.layers.head_bias`).
   Cross-attention (q from the decoder, k/v from the encoder output) is two inputs, one region.
+  Vectors of the attention itself as wide as its heads (DeBERTa v1's ``q_bias``/``v_bias``) are
+  ``head_vector`` (:mod:`megastrategy.layers.head_vectors`). An attention that cannot run on local heads
+  (Longformer's; one whose projections the probe never ran) stays whole: exact, its MLP is still sharded.
 * Otherwise it is an **MLP**: up (and gate) ``column``, down ``row``.
 
 The input and output embeddings become ``vocab``. Every detected block is verified in setup

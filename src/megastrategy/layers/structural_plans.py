@@ -299,6 +299,9 @@ def structural_units(root_name: str, root: nn.Module, covered: set[str]) -> tupl
         sources = detector.region(out)
         if sources is not None:
             detector.add(out, sources)
-    if any(u.kind in ("attention", "mlp") for u in detector.units):
+    # a built-in rule that recognized some of this model's blocks (BERT-shaped by layout) decided about its
+    # embeddings and head: MobileBERT's head multiplies by its decoder's weight itself, so both stay whole
+    ruled = any(n == root_name or n.startswith(root_name + ".") for n in covered) if root_name else bool(covered)
+    if any(u.kind in ("attention", "mlp") for u in detector.units) and not ruled:
         detector.vocab()
     return detector.units, detector.refused

@@ -107,3 +107,12 @@ def test_tower_blocks_pass_the_block_check_tp2():
     assert res["deberta_rel"][0] == "ok" and "deberta.encoder.layer.0.attention" in res["deberta_rel"][1], res
     assert res["data2vec-vision"][0] == "ok", res
     assert res["longformer"] == ("ok", ["longformer.encoder.layer.0"]), res
+
+
+def test_a_model_a_built_in_rule_recognized_keeps_its_embeddings_and_head_whole():
+    # MobileBERT: its attention and first MLP by the BERT-layout rule, its extra FFNs structurally; the
+    # MLM head multiplies by decoder.weight itself, so neither it nor the embedding may be vocab-sharded
+    plan = resolve_tp_plan(build_model("mobilebert", "mlm"), None, 2)
+    styles = {e.name: e.style for e in plan.entries}
+    assert styles["mobilebert.encoder.layer.0.ffn.0.output.dense"] == "row"
+    assert "vocab" not in styles.values()

@@ -116,3 +116,24 @@ def test_a_model_a_built_in_rule_recognized_keeps_its_embeddings_and_head_whole(
     styles = {e.name: e.style for e in plan.entries}
     assert styles["mobilebert.encoder.layer.0.ffn.0.output.dense"] == "row"
     assert "vocab" not in styles.values()
+
+
+@pytest.mark.parametrize("cls, arch", [("CLIPVisionModel", "clip"), ("SiglipVisionModel", "siglip")])
+def test_a_vision_tower_inside_a_users_module_is_sharded(cls, arch):
+    """A VLM's image encoder: the tower alone (its own vision config) under the user's head."""
+    from torch import nn
+
+    class ImageClassifier(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.tower = getattr(transformers, cls)(tiny_config(arch).vision_config)
+            self.head = nn.Linear(32, 3)
+
+        def forward(self, pixel_values):
+            return self.head(self.tower(pixel_values=pixel_values).pooler_output)
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        module = ImageClassifier()
+    rows = [e.name for e in resolve_tp_plan(module, None, 2).entries if e.style == "row"]
+    assert len(rows) == 2 * 2 and all(n.startswith("tower.") for n in rows), rows  # 2 layers x (attention, MLP)

@@ -27,6 +27,8 @@ def forward_on_random_ids(root: nn.Module) -> None:
     ids = torch.randint(3, max(vocab, 4), (2, 8), generator=gen).to(device)
     main = getattr(root, "main_input_name", "input_ids")
     inputs = {main: random_main_input(main, config, gen).to(device)} if main != "input_ids" else {"input_ids": ids}
+    if main == "pixel_values" and _takes(root, "spatial_shapes"):  # SigLIP2's patches of variable resolution
+        inputs.update(_patch_inputs(_vision_config(config), gen, device))
     # an encoder-decoder (T5, BART, Whisper) runs its decoder on the ids
     extra = {"decoder_input_ids": ids} if getattr(config, "is_encoder_decoder", False) else {}
     if main == "input_ids" and _takes_images(root, config):  # a dual encoder (CLIPModel) reads both
@@ -56,14 +58,27 @@ def random_main_input(name: str, config, gen: torch.Generator) -> torch.Tensor:
     return torch.randn(shape, generator=gen)
 
 
+def _takes(root: nn.Module, argument: str) -> bool:
+    try:
+        return argument in inspect.signature(root.forward).parameters
+    except (TypeError, ValueError):
+        return False
+
+
 def _takes_images(root: nn.Module, config) -> bool:
     """A text-and-image model (CLIP's, SigLIP's dual encoder): its forward takes ``pixel_values``
     besides the ids, and its config sizes the images in a ``vision_config``."""
-    try:
-        params = inspect.signature(root.forward).parameters
-    except (TypeError, ValueError):
-        return False
-    return "pixel_values" in params and getattr(config, "vision_config", None) is not None
+    return _takes(root, "pixel_values") and getattr(config, "vision_config", None) is not None
+
+
+def _patch_inputs(vision, gen: torch.Generator, device) -> dict:
+    """SigLIP2 reads images as ``num_patches`` flattened patches with their grid (``spatial_shapes``)
+    and a mask of real patches: a square grid, every patch real."""
+    side = max(1, math.isqrt(int(getattr(vision, "num_patches", 16))))
+    width = int(getattr(vision, "num_channels", 3)) * int(getattr(vision, "patch_size", 16)) ** 2
+    return {"pixel_values": torch.randn((2, side * side, width), generator=gen).to(device),
+            "spatial_shapes": torch.tensor([[side, side]] * 2, device=device),
+            "pixel_attention_mask": torch.ones((2, side * side), dtype=torch.long, device=device)}
 
 
 def _vision_config(config):

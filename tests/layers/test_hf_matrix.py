@@ -156,7 +156,7 @@ SWEEP_TP2 = {
     # left whole with their MLPs sharded (Longformer, ConvBERT)
     "data2vec-vision:img": "structural:", "fnet:mlm": "structural:", "clip:dual": "structural:",
     "siglip:img": "", "deberta:mlm": "structural:", "longformer:cls": "structural:", "convbert:cls": "structural:",
-    "mobilevit:img": "structural:",
+    "mobilevit:img": "structural:", "siglip2:patches": "",  # SigLIP2: images as patches with their grid
 }
 #: refused in setup at tp=2 (was: KeyError 'hidden_states' in the block check)
 SWEEP_REFUSED_TP2 = {"fsmt:s2s": "its forward raised"}

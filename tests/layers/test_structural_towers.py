@@ -137,3 +137,8 @@ def test_a_vision_tower_inside_a_users_module_is_sharded(cls, arch):
         module = ImageClassifier()
     rows = [e.name for e in resolve_tp_plan(module, None, 2).entries if e.style == "row"]
     assert len(rows) == 2 * 2 and all(n.startswith("tower.") for n in rows), rows  # 2 layers x (attention, MLP)
+
+
+def test_siglip2_is_traced_on_patches_with_their_grid():
+    got = _styles(resolve_tp_plan(build_model("siglip2", "patches"), None, 2), "vision_model.encoder.layers.0")
+    assert got["self_attn.out_proj"] == "row" and got["mlp.fc2"] == "row"

@@ -32,7 +32,7 @@ TOL = 2e-4
 #: task of the runner -> transformers' mapping of model type -> model class
 _MAPPINGS = {"cls": "MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES", "mlm": "MODEL_FOR_MASKED_LM_MAPPING_NAMES",
              "img": "MODEL_FOR_IMAGE_CLASSIFICATION_MAPPING_NAMES", "s2s": "MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES",
-             "dual": "MODEL_MAPPING_NAMES", "patches": "MODEL_FOR_IMAGE_CLASSIFICATION_MAPPING_NAMES"}  # dual: a text-image model's contrastive loss (CLIPModel), by --only
+             "dual": "MODEL_MAPPING_NAMES", "patches": "MODEL_FOR_IMAGE_CLASSIFICATION_MAPPING_NAMES"}  # by --only: dual, a text-image model's contrastive loss (CLIPModel); patches, SigLIP2's images
 
 
 def _mapping(task: str) -> dict:

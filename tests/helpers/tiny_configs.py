@@ -23,7 +23,7 @@ _SIZES = {
     **dict.fromkeys(("num_attention_heads", "encoder_attention_heads", "decoder_attention_heads", "n_heads",
                      "n_head", "num_key_value_heads", "encoder_num_attention_heads"), 4),
     **dict.fromkeys(("head_dim", "d_kv", "attention_head_size", "d_head"), 8),
-    **dict.fromkeys(("embedding_size", "embed_dim", "emb_dim", "projection_dim", "classifier_proj_size"), 32),
+    **dict.fromkeys(("embedding_size", "embed_dim", "emb_dim", "projection_dim", "projection_size", "classifier_proj_size"), 32),
     **dict.fromkeys(("entity_vocab_size", "pronunciation_vocab_size", "shape_vocab_size"), 16),
     **dict.fromkeys(("num_experts", "n_routed_experts", "num_local_experts"), 4), "moe_intermediate_size": 16,
     "entity_emb_size": 32, "d_latents": 32, "num_latents": 16, "vocab_size": VOCAB, "max_position_embeddings": 64, "n_positions": 64, "max_seq_len": 64,

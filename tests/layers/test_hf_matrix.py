@@ -150,6 +150,13 @@ SWEEP_TP2 = {
     "glmasr:s2s": "declared:",
     # BERT-shaped blocks under other class names, recognized by their layout (were refused: no known block)
     "ernie:mlm": "auto:", "esm:cls": "auto:", "roformer:mlm": "auto:", "megatron-bert:mlm": "auto:",
+    # were refused (no known block): BERT's layout with the row layer in a sibling module (Data2Vec-vision,
+    # FNet), CLIP's towers traced on images sized by vision_config (and its dual encoder's contrastive loss),
+    # DeBERTa v1's packed in_proj with per-head q_bias/v_bias, attentions that cannot run on local heads
+    # left whole with their MLPs sharded (Longformer, ConvBERT)
+    "data2vec-vision:img": "structural:", "fnet:mlm": "structural:", "clip:dual": "structural:",
+    "siglip:img": "", "deberta:mlm": "structural:", "longformer:cls": "structural:", "convbert:cls": "structural:",
+    "mobilevit:img": "structural:", "siglip2:patches": "",  # SigLIP2: images as patches with their grid
 }
 #: refused in setup at tp=2 (was: KeyError 'hidden_states' in the block check)
 SWEEP_REFUSED_TP2 = {"fsmt:s2s": "its forward raised"}

@@ -68,6 +68,10 @@ _TASK_INPUTS = {
     "audio": {"input_values": ((160,), None), "labels": ((), 3)},
     "ctc": {"input_values": ((160,), None), "labels": ((5,), VOCAB)},  # 5 tokens for 15 frames
     "asr": {"input_features": ((8, 32), None), "labels": ((SEQ,), VOCAB)},
+    # a dual encoder (CLIPModel with return_loss=True): text and images of matching pairs, contrastive loss
+    "dual": {"input_ids": ((SEQ,), 100), "pixel_values": ((3, 16, 16), None)},
+    # SigLIP2's images as patches (a 4 x 4 grid of 3 x 4 x 4 patches, all real; see _task_tensors)
+    "patches": {"pixel_values": ((16, 48), None), "labels": ((), 3)},
 }
 
 
@@ -77,6 +81,9 @@ def _task_tensors(task: str, n: int, g: torch.Generator) -> dict:
     for key, (shape, high) in _TASK_INPUTS.get(task, {}).items():
         low = 3 if key == "input_ids" or task == "ctc" else 0  # CTC: no blank (pad id 0) among the labels
         out[key] = torch.randn((n, *shape), generator=g) if high is None else torch.randint(low, high, (n, *shape), generator=g)
+    if task == "patches":  # the patches' grid and mask: constants, not drawn
+        out["spatial_shapes"] = torch.tensor([[4, 4]]).repeat(n, 1)
+        out["pixel_attention_mask"] = torch.ones((n, 16), dtype=torch.long)
     return out
 
 

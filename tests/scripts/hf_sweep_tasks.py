@@ -31,7 +31,8 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 TOL = 2e-4
 #: task of the runner -> transformers' mapping of model type -> model class
 _MAPPINGS = {"cls": "MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES", "mlm": "MODEL_FOR_MASKED_LM_MAPPING_NAMES",
-             "img": "MODEL_FOR_IMAGE_CLASSIFICATION_MAPPING_NAMES", "s2s": "MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES"}
+             "img": "MODEL_FOR_IMAGE_CLASSIFICATION_MAPPING_NAMES", "s2s": "MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES",
+             "dual": "MODEL_MAPPING_NAMES", "patches": "MODEL_FOR_IMAGE_CLASSIFICATION_MAPPING_NAMES"}  # by --only: dual, a text-image model's contrastive loss (CLIPModel); patches, SigLIP2's images
 
 
 def _mapping(task: str) -> dict:
@@ -59,7 +60,7 @@ def build_model(arch: str, task: str):
 
     transformers.logging.set_verbosity_error()
     config = tiny_config(arch)
-    if task in ("cls", "img"):
+    if task in ("cls", "img", "patches"):
         config.num_labels = 3
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -77,6 +78,9 @@ def worker(argv: list[str]) -> None:
             L.LightningModule.__init__(self)
             self.task = task
             self.model = build_model(arch, task)
+
+        def forward(self, batch):
+            return self.model(**batch, return_loss=True) if self.task == "dual" else self.model(**batch)
 
     hf_matrix.HFModule = SweepModule
     if "--microbatches" in argv:  # a loss averaged over a data-dependent token count (MLM) is exact with 1

@@ -4,7 +4,9 @@ declares none and has no built-in rules (Falcon, Persimmon, ...).
 The model runs once on random ids while :mod:`megastrategy.layers.dataflow` records which
 linear layer's output reaches which linear layer's input. A linear layer ``out`` whose input
 comes only from sibling linear layers fed at most two tensors (the hidden states; in
-cross-attention the query's and the memory's), none of whose outputs goes anywhere else, closes a Megatron region: the siblings are ``column``, ``out`` is ``row``.
+cross-attention the query's and the memory's), none of whose outputs goes anywhere else, closes a Megatron region: the siblings are ``column``, ``out`` is ``row``. The siblings may also sit in a
+module beside ``out``'s, as in BERT's layout (``attention.self.query`` -> ``attention.output.dense``,
+``intermediate.dense`` -> ``output.dense``: Data2Vec-vision, FNet, MobileViT, DeBERTa v1).
 
 * If the parent counts heads (an ``int`` attribute in :data:`HEAD_ATTRS`) it is an
   **attention** block: the head counts are divided by ``tp`` (and must be divisible). One packed
@@ -18,6 +20,9 @@ cross-attention the query's and the memory's), none of whose outputs goes anywhe
   wide as the head count: T5's relative position bias) is ``head_table``, and an attention
   taking a ``position_bias`` (T5, MPT) or ``alibi`` (Bloom) argument is ``head_bias_input`` (:mod:`megastrategy.layers.head_bias`).
   Cross-attention (q from the decoder, k/v from the encoder output) is two inputs, one region.
+  Vectors of the attention itself as wide as its heads (DeBERTa v1's ``q_bias``/``v_bias``) are
+  ``head_vector`` (:mod:`megastrategy.layers.head_vectors`). An attention that cannot run on local heads
+  (Longformer's; one whose projections the probe never ran) stays whole: exact, its MLP is still sharded.
 * Otherwise it is an **MLP**: up (and gate) ``column``, down ``row``.
 
 The input and output embeddings become ``vocab``. Every detected block is verified in setup
@@ -44,6 +49,12 @@ _SPLIT_OPS = ("split", "chunk", "tensor_split", "split_with_sizes")
 _VIEW_OPS = ("view", "reshape", "unflatten")
 
 
+#: attentions whose forward cannot run on local heads, left whole (exact) while the rest of the model is
+#: sharded. Longformer's compares ``embed_dim`` with its input's width and reshapes the heads' output to
+#: that width (dividing ``embed_dim`` breaks the first, keeping it the second), and its global-attention
+#: projections run only for tokens a global attention mask selects.
+_KEEP_WHOLE = ("LongformerSelfAttention",)
+
 #: attention attributes that may hold the heads' concatenated width (see ``_width_attrs``)
 _WIDTH_ATTRS = ("embed_dim",)
 
@@ -67,6 +78,8 @@ def _packing(use: FirstUse | None, heads: set[int]) -> int | str:
         lead = len(use.shape) - 1
         result = use.results[0]
         suffix = result[lead:]
+        if result[:lead] == use.shape[:lead] and len(suffix) == 2 and suffix[0] in heads:
+            return 1  # [heads, 3 * head_dim], chunked per head afterwards (DeBERTa v1's in_proj)
         if result[:lead] == use.shape[:lead] and len(suffix) >= 3:
             readings = []
             if suffix[0] in heads:
@@ -110,10 +123,10 @@ class _Detector:
     def region(self, out: str) -> frozenset[str] | None:
         """The column layers closed by ``out``, or None if ``out`` closes no clean region."""
         sources = self.flow.sources.get(out, frozenset())
-        parent = parent_name(out)
         if not sources or out in sources or not sources <= self.linears:
             return None
-        if any(parent_name(s) != parent for s in sources):
+        parent = _scope(out, sources)
+        if parent is None:
             return None
         if len({self.flow.input_id.get(s) for s in sources}) > 2:  # one input, or a query and a memory
             return None
@@ -131,14 +144,17 @@ class _Detector:
         return sorted(found)
 
     def add(self, out: str, sources: frozenset[str]) -> None:
-        owner = parent_name(out)
+        owner = parent_name(next(iter(sources)))  # holds the head counts (BERT's attention.self)
+        scope = _scope(out, sources) or owner
         heads = _head_counts(self.modules[owner]) if owner else {}
         if not heads or _feeds_activation(self.flow, sources):
             members = [(self.full(s), "column", {}) for s in sorted(sources)]
-            members += [(self.full(d), "dropout", {}) for d in self.inside(owner, sources, nn.Dropout)]
+            members += [(self.full(d), "dropout", {}) for d in self.inside(scope, sources, nn.Dropout)]
             members.append((self.full(out), "row", {}))
-            self.units.append(BuiltinUnit(self.arch, "mlp", self.full(owner), members, origin="structural"))
+            self.units.append(BuiltinUnit(self.arch, "mlp", self.full(scope), members, origin="structural"))
             return
+        if self.unrun_projections(owner) or type(self.modules[owner]).__name__ in _KEEP_WHOLE:
+            return  # left whole: see unrun_projections, _KEEP_WHOLE
         chunks: int | str = 1
         if len(sources) == 1:
             (packed,) = sources
@@ -150,15 +166,29 @@ class _Detector:
                 return
         self.units.append(self._attention(owner, out, sources, chunks, heads))
 
+    def unrun_projections(self, owner: str) -> list[str]:
+        """Linear layers of the attention ``owner`` that the probe forward never ran (Longformer's
+        ``query_global``/``key_global``/``value_global``, used only under a global attention mask).
+        How they read the heads is unknown, and sharding only the layers that ran would leave them
+        reading the full heads of divided head counts, so the attention stays whole (exact); the
+        rest of the model is still sharded."""
+        return [n for n in self.linears if parent_name(n) == owner and n not in self.flow.sources]
+
     def _attention(self, owner: str, out: str, sources: frozenset[str], chunks: int, heads: dict[str, int]) -> BuiltinUnit:
         extra: dict[str, Any] = {"packed_chunks": chunks} if chunks > 1 else {}
+        scope = _scope(out, sources) or owner
         members = [(self.full(s), "column", dict(extra)) for s in sorted(sources)]
         members += [(self.full(n), "grad_sum", {}) for n in self.inside(owner, sources, nn.Module)
                     if any(True for _ in self.modules[n].parameters(recurse=False))]
+        dropouts = self.inside(scope, sources, nn.Dropout)
+        members += [(self.full(d), "dropout", {}) for d in dropouts if not d.startswith(owner + ".")]
         members.append((self.full(out), "row", {}))
         members += self._head_bias(owner, heads)
-        dropouts = self.inside(owner, sources, nn.Dropout)
-        rng = (self.full(out), f"{dropouts[0][len(owner) + 1:]}.p") if dropouts else None
+        members += self._head_vectors(owner, out)
+        dropouts = [d for d in dropouts if d.startswith(owner + ".")]
+        # the owner's forward ends before ``out`` runs when ``out`` is its sibling's (BERT's attention.output)
+        until = self.full(out) if out.startswith(owner + ".") else None
+        rng = (until, f"{dropouts[0][len(owner) + 1:]}.p") if dropouts else None
         return BuiltinUnit(
             self.arch, "attention", self.full(owner), members, divide_attrs=tuple(heads) + self._width_attrs(owner, out),
             checks=[SizeCheck(self.full(owner), a, v, "attention heads") for a, v in heads.items()],
@@ -173,6 +203,14 @@ class _Detector:
         width = getattr(self.modules[out], "in_features", None)
         module = self.modules[owner]
         return tuple(a for a in _WIDTH_ATTRS if isinstance(width, int) and getattr(module, a, None) == width)
+
+    def _head_vectors(self, owner: str, out: str) -> list[tuple[str, str, dict[str, Any]]]:
+        """DeBERTa v1's ``q_bias``/``v_bias``: vectors of the attention itself as wide as the heads'
+        concatenated width (what the row layer takes in), read by head (:mod:`megastrategy.layers.head_vectors`)."""
+        width = getattr(self.modules[out], "in_features", None)
+        params = tuple(n for n, p in self.modules[owner]._parameters.items()
+                       if p is not None and p.dim() == 1 and p.shape[0] == width)
+        return [(self.full(owner), "head_vector", {"params": params})] if params else []
 
     def _head_bias(self, owner: str, heads: dict[str, int]) -> list[tuple[str, str, dict[str, Any]]]:
         """T5's relative position bias: a per-head table (an Embedding whose width is the head
@@ -205,6 +243,23 @@ class _Detector:
 
     def _shared_with_embeddings(self, emb: nn.Embedding) -> bool:
         return any(isinstance(m, nn.Embedding) and m is not emb and m.weight is emb.weight for m in self.modules.values())
+
+
+def _scope(out: str, sources: frozenset[str]) -> str | None:
+    """The module holding the whole region: the column layers' parent when it also holds ``out``
+    (GPT's ``attn.q/k/v`` -> ``attn.o``), or the parent of both when the columns and ``out`` sit in
+    sibling modules, as in BERT's layout (``attention.self.query`` -> ``attention.output.dense``,
+    ``intermediate.dense`` -> ``output.dense``; Data2Vec-vision, FNet, MobileViT, DeBERTa v1);
+    ``None`` when the columns have different parents or lie elsewhere."""
+    parents = {parent_name(s) for s in sources}
+    if len(parents) != 1:
+        return None
+    (parent,) = parents
+    if parent_name(out) == parent:
+        return parent
+    if parent and parent_name(parent) == parent_name(parent_name(out)) and parent_name(out) != parent_name(parent):
+        return parent_name(parent) or None
+    return None
 
 
 def _head_wide_table(m: nn.Module, heads: set[int]) -> int | None:
@@ -260,6 +315,9 @@ def structural_units(
         sources = detector.region(out)
         if sources is not None:
             detector.add(out, sources)
-    if with_vocab and any(u.kind in ("attention", "mlp") for u in detector.units):
+    # a built-in rule that recognized some of this model's blocks (BERT-shaped by layout) decided about its
+    # embeddings and head: MobileBERT's head multiplies by its decoder's weight itself, so both stay whole
+    ruled = any(n == root_name or n.startswith(root_name + ".") for n in covered) if root_name else bool(covered)
+    if with_vocab and any(u.kind in ("attention", "mlp") for u in detector.units) and not ruled:
         detector.vocab()
     return detector.units, detector.refused

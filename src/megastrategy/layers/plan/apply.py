@@ -165,6 +165,7 @@ class _ShardedLayerBuilder:
             "grad_sum": self._grad_sum,
             "head_table": self._head_table,
             "head_bias_input": self._head_bias_input,
+            "head_vector": self._head_vector,
         }.get(e.style)
         if build is None:
             raise AssertionError(e.style)
@@ -243,6 +244,11 @@ class _ShardedLayerBuilder:
         from megastrategy.layers.head_bias import narrow_head_bias_input
 
         return narrow_head_bias_input(m, self.group, int(e.extra["heads"]), str(e.extra["bias_kwarg"]))
+
+    def _head_vector(self, e: PlanEntry, m: nn.Module) -> nn.Module:
+        from megastrategy.layers.head_vectors import narrow_head_vectors
+
+        return narrow_head_vectors(m, self.group, tuple(e.extra["params"]))
 
 
 def _hook_rng_regions(

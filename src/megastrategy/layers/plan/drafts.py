@@ -44,6 +44,8 @@ class DraftEntry:
     #: ``head_table``/``head_bias_input``: the full head count (and the bias argument's name)
     heads: int | None = None
     bias_kwarg: str | None = None
+    #: ``head_vector``: the attention's own per-head parameter vectors (DeBERTa v1's q_bias, v_bias)
+    params: tuple[str, ...] | None = None
 
     @classmethod
     def builtin(cls, style: str, source: str, unit: BuiltinUnit, extra: dict[str, Any]) -> "DraftEntry":
@@ -58,6 +60,7 @@ class DraftEntry:
             split_input=extra.get("split_input"),
             heads=extra.get("heads"),
             bias_kwarg=extra.get("bias_kwarg"),
+            params=extra.get("params"),
         )
 
     @property
@@ -83,6 +86,7 @@ class DraftEntry:
             ("bias_aliases", self.bias_aliases),
             ("heads", self.heads),
             ("bias_kwarg", self.bias_kwarg),
+            ("params", self.params),
         )
         return {k: v for k, v in pairs if v is not None}
 

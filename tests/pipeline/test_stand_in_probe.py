@@ -68,3 +68,14 @@ def test_hugging_face_models_whose_layers_read_a_pre_stack_value_are_refused_in_
         module.model = tiny_model(arch)
         with pytest.raises(MegatronConfigError, match=rf"layers?\.1 \(on its inputs\) uses a value computed by .*{source}"):
             Pipeline(MegatronConfig(pp=2)).validate(module, None)
+
+
+def test_with_virtual_stages_the_refusal_names_the_stage_and_the_rank_holding_it():
+    model = _TokenModel("block")  # blocks.2 reads the embedding's value
+    order = record_forward_order(model, "blocks")
+    anatomy = ModelAnatomy.of(model, "blocks", order.called if order is not None else None)
+    with pytest.raises(MegatronConfigError, match=r"blocks\.1 \(on its inputs\) uses a value computed by embed on "
+                                                  r"virtual pipeline stage 1 \(a chunk of pipeline rank 1\)"):
+        refuse_stand_in_values(model, anatomy, order, assign_layers(4, 2, 2), None)
+    with pytest.raises(MegatronConfigError, match=r"computed by embed on pipeline stage 1,"):
+        _probe(_TokenModel("block"))

@@ -12,7 +12,7 @@ from megastrategy.anatomy import ModelAnatomy
 from megastrategy.errors import MegatronConfigError
 from megastrategy.pipeline.layer_assignment import assign_layers
 from megastrategy.pipeline.stage import StageBoundary, cut_stage
-from megastrategy.pipeline.stand_in_values import StandInValue, mark, refuse_if_marked, sources_of
+from megastrategy.pipeline.stand_in_values import StandInValue, mark, refuse_if_marked, sources_of, stage_place
 from tests.helpers.launch import run_script, run_script_to_the_end
 
 
@@ -35,9 +35,9 @@ def test_a_marked_tensor_keeps_its_autograd_history():
 
 
 def test_refusal_names_where_and_what():
-    refuse_if_marked((torch.zeros(2), {"k": 1}), "head", 1)  # nothing marked: nothing happens
+    refuse_if_marked((torch.zeros(2), {"k": 1}), "head", stage_place(1, 1, 1))  # nothing marked: nothing happens
     with pytest.raises(MegatronConfigError, match=r"head .*computed by embed on pipeline stage 1.*pp=1"):
-        refuse_if_marked([mark(torch.zeros(2), ["embed"])], "head", 1)
+        refuse_if_marked([mark(torch.zeros(2), ["embed"])], "head", stage_place(1, 1, 1))
 
 
 class _Block(nn.Module):

@@ -143,7 +143,7 @@ class Seq2SeqStage(PipelineStage):
             sent += [self._memory_out] if g >= self.num_encoder else []
             if self.probing:
                 refuse_if_marked(sent, f"what block {g} of the joined encoder-decoder stack hands the next stage",
-                                 self.pp_rank)
+                                 self._place())
             if not all(isinstance(v, torch.Tensor) for v in sent):
                 raise MegatronConfigError(
                     f"block {g} of the joined encoder-decoder stack hands the next stage "

@@ -32,7 +32,7 @@ from megastrategy.pipeline.forward_order import MetaAttributes, block_outputs, m
 from megastrategy.pipeline.leading_blocks import skipped_blocks
 from megastrategy.pipeline.placement import StagePlacement
 from megastrategy.pipeline.reused_layers import ReusedLayers
-from megastrategy.pipeline.stand_in_values import mark, refuse_if_marked
+from megastrategy.pipeline.stand_in_values import mark, refuse_if_marked, stage_place
 
 __all__ = ["PipelineStage", "StageBoundary", "cut_stage", "find_layer_stack", "iter_microbatches"]
 
@@ -367,9 +367,14 @@ class PipelineStage:
         self._pending_input = None
         self._active_chunk = None
 
+    def _place(self) -> str:
+        """The virtual stage running now (its chunk's), for refusals."""
+        chunk = self._active_chunk if self._active_chunk is not None else 0
+        return stage_place(self._where().stage(self.pp_rank, chunk), self.pp_rank, self.vp_size)
+
     def _input_check(self, name: str):
         def check(module: nn.Module, args: tuple, kwargs: dict) -> None:
-            refuse_if_marked((args, kwargs), f"{name} (on its inputs)", self.pp_rank)
+            refuse_if_marked((args, kwargs), f"{name} (on its inputs)", self._place())
 
         return check
 
@@ -378,7 +383,7 @@ class PipelineStage:
         ``probing``: whether that forward was probed, for a caller that checks after :meth:`deactivate`
         (which ends the probe)."""
         if self.probing if probing is None else probing:
-            refuse_if_marked(output, f"the user's step on the last stage (its output)", self.pp_rank)
+            refuse_if_marked(output, f"the user's step on the last stage (its output)", self._place())
 
     def next_application(self) -> int:
         """The index of the stack application starting now (reused blocks count every call)."""
@@ -422,7 +427,7 @@ class PipelineStage:
             return
         values = block_outputs(output)
         if self.probing:
-            refuse_if_marked(values, f"the hidden state {self.stack_path} hands the next stage", self.pp_rank)
+            refuse_if_marked(values, f"the hidden state {self.stack_path} hands the next stage", self._place())
         if not isinstance(values[0], torch.Tensor):
             raise MegatronConfigError(
                 f"the blocks of {self.stack_path} return {type(output).__name__}; pipeline stages need a tensor "

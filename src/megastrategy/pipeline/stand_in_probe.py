@@ -26,7 +26,7 @@ from megastrategy.errors import MegatronConfigError
 from megastrategy.pipeline.forward_order import ForwardOrder, dry_run_twin, dry_run_variants
 from megastrategy.pipeline.placement import StagePlacement
 from megastrategy.pipeline.stage import no_meta_run_message
-from megastrategy.pipeline.stand_in_values import mark, refuse_if_marked, sources_of
+from megastrategy.pipeline.stand_in_values import mark, refuse_if_marked, sources_of, stage_place
 
 __all__ = ["refuse_stand_in_values"]
 
@@ -73,12 +73,12 @@ def _reads_meta_values(exc: Exception) -> bool:
 
 
 def _later_stage_blocks(assignment: list[list[list[int]]], placement: Optional[StagePlacement]) -> dict[int, tuple[bool, int]]:
-    """Block index -> (whether it starts its chunk, its pipeline rank), for the blocks of every
-    stage after the first."""
+    """Block index -> (whether it starts its chunk, where it runs: :func:`stage_place`), for the
+    blocks of every stage after the first."""
     pp, vp = len(assignment), max(len(chunks) for chunks in assignment)
     where = placement or StagePlacement.build("ring", pp, vp)
-    return {block: (i == 0, rank) for rank, chunks in enumerate(assignment) for c, chunk in enumerate(chunks)
-            if where.stage(rank, c) != 0 for i, block in enumerate(chunk)}
+    return {block: (i == 0, stage_place(where.stage(rank, c), rank, vp)) for rank, chunks in enumerate(assignment)
+            for c, chunk in enumerate(chunks) if where.stage(rank, c) != 0 for i, block in enumerate(chunk)}
 
 
 class _Probe:
@@ -94,17 +94,17 @@ class _Probe:
             self._handles.append(sub.register_forward_pre_hook(lambda m, a, n=name: self._active.append(n)))
             self._handles.append(sub.register_forward_hook(self._marker(prefix + name)))
         stack = twin.get_submodule(stack_rel)
-        self._last_rank = max((rank for _, rank in later.values()), default=1)
-        for index, (starts, rank) in later.items():
+        self._last_place = later[max(later)][1] if later else "the last pipeline stage"
+        for index, (starts, place) in later.items():
             where = f"{prefix}{stack_rel}.{index} (on its inputs)"
-            check = self._checker(where, starts, rank)
+            check = self._checker(where, starts, place)
             self._handles.append(stack[index].register_forward_pre_hook(check, with_kwargs=True))
 
     def check_inputs_of(self, names: list[str]) -> None:
         """Refuse a mark reaching these modules (the ones after the stack, on the last stage)."""
         for name in names:
             where = f"{self._prefix}{name} (on its inputs)"
-            hook = lambda m, a, k, w=where: refuse_if_marked((a, k), w, self._last_rank)  # noqa: E731
+            hook = lambda m, a, k, w=where: refuse_if_marked((a, k), w, self._last_place)  # noqa: E731
             self._handles.append(self.twin.get_submodule(name).register_forward_pre_hook(hook, with_kwargs=True))
 
     def _marker(self, name: str):
@@ -114,13 +114,13 @@ class _Probe:
 
         return hook
 
-    def _checker(self, where: str, starts: bool, rank: int):
+    def _checker(self, where: str, starts: bool, place: str):
         def hook(block, args, kwargs):
             if starts:  # the previous stage's activation (and what it carries) replaces these
                 args = (_plain(args[0]), *args[1:]) if args else args
                 kwargs = {k: _plain(v) if (k in self._carried or (not args and i == 0)) else v
                           for i, (k, v) in enumerate(kwargs.items())}
-            refuse_if_marked((args, kwargs), where, rank)
+            refuse_if_marked((args, kwargs), where, place)
             return args, kwargs
 
         return hook
@@ -132,7 +132,7 @@ class _Probe:
         except Exception:
             self.failed_in = self._active[-1] if self._active else None
             raise
-        refuse_if_marked(_logits(output), "the model's output on the last stage", self._last_rank)
+        refuse_if_marked(_logits(output), "the model's output on the last stage", self._last_place)
 
     def remove(self) -> None:
         for handle in self._handles:

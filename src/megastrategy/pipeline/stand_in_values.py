@@ -63,14 +63,20 @@ def sources_of(value: Any) -> frozenset:
     return found
 
 
-def refuse_if_marked(value: Any, where: str, stage_rank: int) -> None:
-    """Stop with a clear error when ``value`` carries a stand-in's zeros into ``where``."""
+def stage_place(stage: int, rank: int, vp_size: int) -> str:
+    """Where a check ran, in the user's terms: the stage, and with ``vp > 1`` also the rank holding it."""
+    return f"pipeline stage {stage}" if vp_size == 1 else f"virtual pipeline stage {stage} (a chunk of pipeline rank {rank})"
+
+
+def refuse_if_marked(value: Any, where: str, place: str) -> None:
+    """Stop with a clear error when ``value`` carries a stand-in's zeros into ``where`` (on ``place``,
+    see :func:`stage_place`)."""
     sources = sources_of(value)
     if not sources:
         return
     names = ", ".join(sorted(sources))
     raise MegatronConfigError(
-        f"{where} uses a value computed by {names} on pipeline stage {stage_rank}, which does not hold "
+        f"{where} uses a value computed by {names} on {place}, which does not hold "
         f"{names} (it runs before the layer stack, so only on the first stage); the stage would compute with zeros "
         "in its place. Pipeline stages exchange only the hidden state of the layer stack, so a tensor computed "
         "before the stack may reach what runs after it only through the blocks. Use pp=1 (tensor, context and "

@@ -42,13 +42,14 @@ _log = logging.getLogger(__name__)
 
 def _trial(cap: CapturedBlock, plan: ResolvedPlan, group, rng_tracker) -> str | None:
     """What differs when a fresh copy of ``cap``'s block is sharded with its part of ``plan``."""
-    trial = copy.deepcopy(cap.reference)
+    holder = nn.Module()  # the block as a child, so that entries naming the block itself apply too
+    holder.add_module("block", copy.deepcopy(cap.reference))
     try:
-        apply_tp_plan(trial, restrict_to_block(plan, cap.name), group=group, rng_tracker=rng_tracker)
+        apply_tp_plan(holder, restrict_to_block(plan, cap.name, "block"), group=group, rng_tracker=rng_tracker)
     except Exception as exc:  # noqa: BLE001 - the same on every rank; the real apply would fail too
         first = (str(exc).strip().splitlines() or ["(no message)"])[0]
         return f"sharding it raised {type(exc).__name__}: {first}"
-    return block_mismatch(trial, replace(cap, name=""), group)
+    return block_mismatch(holder, replace(cap, name="block"), group)
 
 
 def trial_failures(captured: list[CapturedBlock], plan: ResolvedPlan, group, rng_tracker) -> dict[str, str]:

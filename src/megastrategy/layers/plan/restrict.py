@@ -17,27 +17,30 @@ def is_within(name: str | None, block: str) -> bool:
     return name is not None and (block == "" or name == block or name.startswith(block + "."))
 
 
-def _rebase(name: str | None, block: str) -> str | None:
-    if name is None or block == "" or not is_within(name, block):
+def _rebase(name: str | None, block: str, root: str) -> str | None:
+    if name is None or not is_within(name, block):
         return name
-    return name[len(block) + 1:] if name != block else ""
+    rest = name[len(block):].lstrip(".") if block else name
+    return f"{root}.{rest}" if rest else root
 
 
-def _rebase_extra(extra: Any, block: str) -> dict[str, Any]:
+def _rebase_extra(extra: Any, block: str, root: str) -> dict[str, Any]:
     """Module names in ``extra`` (``input_copy``, ``tied_to``) rebased like the entry's own name."""
-    return {k: _rebase(v, block) if isinstance(v, str) and is_within(v, block) else v for k, v in extra.items()}
+    return {k: _rebase(v, block, root) if isinstance(v, str) and is_within(v, block) else v for k, v in extra.items()}
 
 
-def restrict_to_block(plan: ResolvedPlan, block: str) -> ResolvedPlan:
-    """The entries, fix-ups and RNG regions of ``plan`` inside ``block``, named relative to it:
-    the plan that shards a copy of that block exactly as the whole plan shards the block."""
+def restrict_to_block(plan: ResolvedPlan, block: str, root: str = "block") -> ResolvedPlan:
+    """The entries, fix-ups and RNG regions of ``plan`` inside ``block``, renamed as if the block
+    were the child ``root`` of a holder module: the plan that shards a copy of that block, held
+    there, exactly as the whole plan shards the block (entries naming the block itself included:
+    an ``nn.MultiheadAttention`` replaced whole, T5's attention taking its heads' position bias)."""
     entries = tuple(
-        replace(e, name=_rebase(e.name, block), extra=_rebase_extra(e.extra, block))
-        for e in plan.entries if is_within(e.name, block) and e.name != block
+        replace(e, name=_rebase(e.name, block, root), extra=_rebase_extra(e.extra, block, root))
+        for e in plan.entries if is_within(e.name, block)
     )
-    fixups = tuple(replace(f, module=_rebase(f.module, block)) for f in plan.fixups if is_within(f.module, block))
+    fixups = tuple(replace(f, module=_rebase(f.module, block, root)) for f in plan.fixups if is_within(f.module, block))
     regions = tuple(
-        replace(r, module=_rebase(r.module, block), until=_rebase(r.until, block))
+        replace(r, module=_rebase(r.module, block, root), until=_rebase(r.until, block, root))
         for r in plan.rng_regions if is_within(r.module, block)
     )
     return replace(plan, entries=entries, fixups=fixups, rng_regions=regions)

@@ -39,6 +39,7 @@ from megastrategy.pipeline.stage import PipelineStage, StageBoundary, iter_micro
 from megastrategy.pipeline.step_output import join_step_outputs
 from megastrategy.pipeline.suspended_step import StepThreads, SuspendedStep
 from megastrategy.pipeline.summed_losses import SummedLosses
+from megastrategy.pipeline.user_checkpoint import UserCheckpoints
 from megastrategy.pipeline.token_means import TokenMeans
 
 __all__ = ["StepRunner"]
@@ -79,6 +80,7 @@ class StepRunner:
         self._ragged_sizes_told: set = set()  # batch sizes (or opaque batch types) run with fewer microbatches, warned once
         self._token_means = token_means  # the batch's token means over microbatches (pipelined steps)
         self._summed_losses = SummedLosses()  # sum-reduced losses over microbatches, warned about
+        self._user_checkpoints = UserCheckpoints()  # torch's checkpoint of a stage's boundary block: run plainly
 
     @classmethod
     def build(cls, ctx: SetupContext, components: Sequence[Component]) -> "StepRunner":
@@ -137,7 +139,7 @@ class StepRunner:
         outputs: list = []
         user_step = self._user_step(getattr(module, step_name), microbatches, args[1:], kwargs, step)
         if self.pipelined:
-            with self._losses_watched_over(step, microbatches):
+            with self._step_watches(module, step, microbatches):
                 # microbatches are equal parts of the batch: one size for all
                 sizes = [_leading_size(microbatches[0])] * len(microbatches)
                 result = self._run_pipelined(module, step, user_step, outputs, sizes)
@@ -153,10 +155,15 @@ class StepRunner:
         return result
 
     @contextmanager
-    def _losses_watched_over(self, step: StepInfo, microbatches: list) -> Iterator[None]:
-        """Token means made the batch's, and sum-reduced losses warned about, while a step of
-        several microbatches runs."""
-        if len(microbatches) < 2:
+    def _step_watches(self, module: Any, step: StepInfo, microbatches: list) -> Iterator[None]:
+        """While a pipelined step runs: the user's checkpoints of boundary blocks run plainly, and with
+        several microbatches token means are made the batch's and sum-reduced losses warned about."""
+        with ExitStack() as stack:
+            stack.enter_context(self._user_checkpoints.step(step.name, module))
+            if len(microbatches) > 1:
+                stack.enter_context(self._summed_losses.step(step.name, len(microbatches)))
+                if self._token_means is not None:
+                    stack.enter_context(self._token_means.step(step.name, microbatches))
             yield
             return
         with ExitStack() as stack:

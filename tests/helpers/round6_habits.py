@@ -1,0 +1,238 @@
+"""Round-6 Lightning habits, one function each: ``HABITS[name](args, workdir) -> report`` (rank 0's).
+
+Modules written the way Lightning's docs and tutorials write them: the optimization hooks
+overridden (``optimizer_step`` with the closure and a hand-made warm-up, ``optimizer_zero_grad``
+keeping the tensors, ``configure_gradient_clipping``, ``lr_scheduler_step``), ``AdamW(foreach=True)``
+over two groups with their own learning rates, the strategy's ``broadcast``/``reduce`` and the
+Trainer's sizes, a ``MetricCollection`` with compute groups, ``BinaryAUROC`` and a text metric over a
+batch's strings, and the finder callbacks. Each on a fresh Trainer (``tests/helpers/round3_habits.trainer``);
+tests/scripts/habits_round6.py runs several in one launch.
+"""
+from __future__ import annotations
+
+import lightning as L
+import torch
+import torch.nn.functional as F
+from lightning.pytorch.callbacks import BatchSizeFinder, LearningRateFinder
+from torch.utils.data import DataLoader
+
+from tests.helpers.models import GPT, VOCAB, TokenDataset
+from tests.helpers.round3_habits import StepLosses, trainer
+
+
+def _lrs(optimizer) -> list:
+    return [float(g["lr"]) for g in optimizer.param_groups]
+
+
+# ---------------------------------------------------------------- 1. the optimization hooks
+class WarmupInOptimizerStep(GPT):
+    """Lightning's documented recipe: the closure given to ``optimizer.step`` and a hand-made
+    learning-rate warm-up written into the param groups after it."""
+
+    def __init__(self, **kw) -> None:
+        super().__init__(**kw)
+        self.seen_lrs: list = []
+
+    def optimizer_step(self, epoch, batch_idx, optimizer, optimizer_closure):
+        optimizer.step(closure=optimizer_closure)
+        scale = min(1.0, float(self.trainer.global_step + 2) / 4.0)
+        for group in optimizer.param_groups:
+            group["lr"] = scale * self.lr * 10
+        self.seen_lrs.append(_lrs(optimizer))
+
+
+class KeepGradTensors(GPT):
+    """``optimizer_zero_grad`` overridden to zero in place (``set_to_none=False``), as older docs show."""
+
+    def optimizer_zero_grad(self, epoch, batch_idx, optimizer):
+        optimizer.zero_grad(set_to_none=False)
+
+
+class OwnClipping(GPT):
+    """``configure_gradient_clipping`` clipping by norm from the second step on (the docs' recipe
+    clips from an epoch on), with the value and algorithm the Trainer passes."""
+
+    def __init__(self, **kw) -> None:
+        super().__init__(optimizer="sgd", **kw)
+        self.clip_args: list = []
+
+    def configure_gradient_clipping(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None):
+        self.clip_args.append([gradient_clip_val, gradient_clip_algorithm])
+        if self.trainer.global_step >= 1:
+            self.clip_gradients(optimizer, gradient_clip_val=gradient_clip_val, gradient_clip_algorithm=gradient_clip_algorithm)
+
+
+class OwnSchedulerStep(GPT):
+    """``lr_scheduler_step`` overridden (timm's schedulers need it): steps by the global step."""
+
+    def __init__(self, **kw) -> None:
+        super().__init__(**kw)
+        self.stepped: list = []
+
+    def configure_optimizers(self):
+        opt = torch.optim.AdamW(self.parameters(), lr=1e-2)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0 / (1 + step))
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+    def lr_scheduler_step(self, scheduler, metric):
+        scheduler.step(self.trainer.global_step)
+        self.stepped.append(scheduler.get_last_lr()[0])
+
+
+class ForeachGroups(GPT):
+    """The Hugging Face recipe: no weight decay on biases and LayerNorms, another lr there, with
+    ``AdamW(foreach=True, fused=False)``."""
+
+    def configure_optimizers(self):
+        no_decay = ("bias", "ln")
+        decay = [p for n, p in self.named_parameters() if not any(k in n for k in no_decay)]
+        rest = [p for n, p in self.named_parameters() if any(k in n for k in no_decay)]
+        return torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0, "lr": 3e-3}],
+                                 lr=1e-2, foreach=True, fused=False)
+
+
+def _fit(kind, report=(), **flags):
+    """Fit ``kind`` for 3 steps with Trainer ``flags``; the report adds the module's ``report`` attributes."""
+
+    def run(args, workdir):
+        losses, module = StepLosses(), kind(batch_size=8 // args.dp)
+        t = trainer(args, [losses], max_steps=3, limit_val_batches=0, **flags)
+        t.fit(module)
+        return {"losses": losses.losses, "lrs": _lrs(t.optimizers[0]), **{k: getattr(module, k) for k in report}}
+
+    return run
+
+
+HABITS = {
+    "optimizer-step-closure": _fit(WarmupInOptimizerStep, ["seen_lrs"]),
+    "zero-grad-keep": _fit(KeepGradTensors),
+    "configure-clipping": _fit(OwnClipping, ["clip_args"], gradient_clip_val=0.05, gradient_clip_algorithm="norm"),
+    "scheduler-step": _fit(OwnSchedulerStep, ["stepped"]),
+    "foreach-groups": _fit(ForeachGroups),
+}
+
+
+# ---------------------------------------------------------------- 2. the strategy's collectives and sizes
+class Scaled(GPT):
+    """Scales the learning rate by the number of data replicas, broadcasts rank 0's run name, and
+    reduces a count with ``sum``: what the docs and tutorials do with ``self.trainer``."""
+
+    def __init__(self, **kw) -> None:
+        super().__init__(**kw)
+        self.sizes: dict = {}
+
+    def setup(self, stage):
+        import random
+
+        self.run_name = self.trainer.strategy.broadcast(f"run-{random.random():.6f}")
+
+    def configure_optimizers(self):
+        replicas = self.trainer.strategy.distributed_sampler_kwargs["num_replicas"]
+        return torch.optim.AdamW(self.parameters(), lr=self.lr * replicas)
+
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        seen = self.trainer.strategy.reduce(torch.tensor(float(len(batch["input_ids"]))), reduce_op="sum")
+        self.sizes.setdefault("examples_summed", []).append(float(seen))
+        return loss
+
+    def on_fit_start(self):
+        t = self.trainer
+        names = [None] * t.world_size
+        torch.distributed.all_gather_object(names, self.run_name)
+        self.sizes.update(world_size=t.world_size, num_devices=t.num_devices, num_nodes=t.num_nodes,
+                          replicas=t.strategy.distributed_sampler_kwargs["num_replicas"], one_name=len(set(names)) == 1,
+                          rank_zero=t.is_global_zero == (t.global_rank == 0))
+
+
+HABITS["strategy-sizes"] = _fit(Scaled, ["sizes"])
+
+
+# ---------------------------------------------------------------- 3. metrics in validation
+class TextTokens(TokenDataset):
+    """TokenDataset rows with a string field: the batch carries a list of strings."""
+
+    def __getitem__(self, i):
+        row = super().__getitem__(i)
+        return {"input_ids": row["input_ids"], "text": " ".join(str(int(t) % 7) for t in row["input_ids"][1:5])}
+
+
+class Metered(GPT):
+    """Validation with a ``MetricCollection`` (compute groups on) and ``BinaryAUROC`` (list states),
+    updated in the step and logged as objects; with ``text=True`` also ``CharErrorRate`` over the
+    batch's strings (a list the collate function made)."""
+
+    def __init__(self, text: bool = False, **kw) -> None:
+        super().__init__(**kw)
+        import torchmetrics
+        from torchmetrics.classification import BinaryAUROC, MulticlassAccuracy, MulticlassPrecision, MulticlassRecall
+        from torchmetrics.text import CharErrorRate
+
+        self.val_metrics = torchmetrics.MetricCollection(
+            {"acc": MulticlassAccuracy(VOCAB, average="micro"), "prec": MulticlassPrecision(VOCAB, average="macro"),
+             "rec": MulticlassRecall(VOCAB, average="macro")}, prefix="val_", compute_groups=True)
+        self.val_auroc, self.val_cer = BinaryAUROC(), CharErrorRate() if text else None
+
+    def val_dataloader(self):
+        return DataLoader(TextTokens(16, seed=99), batch_size=self.batch_size)
+
+    def validation_step(self, batch, batch_idx):
+        ids = batch["input_ids"]
+        logits = self(ids[:, :-1])
+        self.log("val_loss", F.cross_entropy(logits.reshape(-1, VOCAB), ids[:, 1:].reshape(-1)))
+        preds, target = logits.argmax(-1).reshape(-1), ids[:, 1:].reshape(-1)
+        self.val_metrics.update(preds, target)
+        even = logits.softmax(-1)[..., ::2].sum(-1).clamp(0, 1)  # a sum a rounding above 1 would be taken for logits
+        self.val_auroc.update(even.reshape(-1), (target % 2 == 0).long())
+        self.log_dict(self.val_metrics)
+        self.log("val_auroc", self.val_auroc)
+        if self.val_cer is not None:
+            self.val_texts.append(len(batch["text"]))
+            guessed = [" ".join(str(int(t) % 7) for t in row[:4]) for row in logits.argmax(-1)]
+            self.val_cer.update(guessed, list(batch["text"]))
+            self.log("val_cer", self.val_cer)
+
+
+def _metrics(text: bool):
+    def run(args, workdir):
+        losses, module = StepLosses(), Metered(text=text, batch_size=8 // args.dp)
+        module.val_texts = []  # how many strings each call of the step saw
+        t = trainer(args, [losses], max_steps=2, val_check_interval=2, limit_val_batches=2)
+        t.fit(module)
+        validated = t.validate(module, verbose=False)
+        return {"losses": losses.losses, "logged": {k: float(v) for k, v in t.callback_metrics.items()},
+                "validated": validated, "texts": module.val_texts}
+
+    return run
+
+
+HABITS["metrics"] = _metrics(text=False)
+HABITS["text-metric"] = _metrics(text=True)
+
+
+# ---------------------------------------------------------------- 4. the finder callbacks
+def lr_finder_callback(args, workdir):
+    """``LearningRateFinder`` as a callback (it runs ``lr_find`` in ``on_fit_start``), then the fit."""
+    finder = LearningRateFinder(min_lr=1e-4, max_lr=1.0, num_training_steps=8, early_stop_threshold=None)
+    losses, module = StepLosses(), GPT(batch_size=8 // args.dp)
+    t = trainer(args, [finder, losses], max_steps=2, limit_val_batches=0, default_root_dir=str(workdir))
+    t.fit(module)
+    return {"losses": losses.losses, "suggestion": finder.optimal_lr.suggestion(), "lr": module.lr,
+            "finder_losses": finder.optimal_lr.results["loss"]}
+
+
+def batch_size_finder_callback(args, workdir):
+    """``BatchSizeFinder``: Lightning refuses it with DDP; the same refusal (or DDP's result)."""
+    t = trainer(args, [BatchSizeFinder(mode="power", steps_per_trial=1, init_val=2, max_trials=3)], max_steps=2,
+                limit_val_batches=0, default_root_dir=str(workdir))
+    module = GPT(batch_size=8 // args.dp)
+    try:
+        t.fit(module)
+        raised = None
+    except Exception as error:  # noqa: BLE001 - compared with DDP's
+        raised = f"{type(error).__name__}: {error}"
+    return {"raised": raised, "batch_size": module.batch_size}
+
+
+HABITS["lr-finder-callback"] = lr_finder_callback
+HABITS["batch-size-finder-callback"] = batch_size_finder_callback

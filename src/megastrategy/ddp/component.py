@@ -38,6 +38,7 @@ from megastrategy.ddp.grad_views import visible_grads
 from megastrategy.ddp.optimizer_wrapping import wrap_optimizers
 from megastrategy.ddp.trainable_set import refuse_change, trainable_change
 from megastrategy.ddp.user_clip import refuse_without_visible_grads
+from megastrategy.ddp.zero_grad_guard import guard_zero_grad
 from megastrategy.errors import MegatronConfigError
 from megastrategy.layers.shard_spec import get_shard_spec
 from megastrategy.rank_zero import log_on_rank_zero
@@ -117,6 +118,9 @@ class GradientBuffers(Component):
             for optimizer in wrapped:
                 if isinstance(optimizer, DistributedOptimizer):
                     optimizer.enable_overlap_param_gather(self._ctx.module)
+        ctx = self._ctx
+        for optimizer in wrapped:  # the step's gradients are in the buffer before Lightning's zero_grad
+            guard_zero_grad(optimizer, lambda: list(ctx.grad_buffers) if ctx is not None else [])
         self._optimizers = wrapped
         return wrapped
 

@@ -16,6 +16,8 @@ One launch per layout of tests/scripts/habits_round6.py runs every habit one aft
 * a ``MetricCollection`` with compute groups and ``BinaryAUROC`` logged as objects in validation;
   ``CharErrorRate`` over a list of strings in the batch (pp2: each microbatch gets all the strings;
   xfail until the pipeline's splitter cuts lists of per-example values);
+* torch's ``ZeroRedundancyOptimizer`` over the default group: refused at tp2 (it overwrote shards
+  with other ranks' shards, silently) and pp2 (gloo aborted), DDP's losses at dp2;
 * ``LearningRateFinder`` as a callback (DDP's losses at every lr tried), ``BatchSizeFinder``
   refused with DDP's own message.
 """
@@ -29,8 +31,9 @@ SCRIPT = Path(__file__).parent / "scripts" / "habits_round6.py"
 pytestmark = pytest.mark.slow
 
 HOOKS = ["optimizer-step-closure", "zero-grad-keep", "configure-clipping", "scheduler-step", "foreach-groups"]
-SPLIT = HOOKS + ["strategy-sizes", "metrics", "text-metric", "lr-finder-callback", "batch-size-finder-callback"]
-DATA = ["zero-grad-keep", "strategy-sizes"]
+SPLIT = HOOKS + ["strategy-sizes", "metrics", "text-metric", "lr-finder-callback", "batch-size-finder-callback",
+                 "zero-redundancy"]
+DATA = ["zero-grad-keep", "strategy-sizes", "zero-redundancy"]
 LAUNCHES = {  # layout: (processes, strategy arguments, habits)
     "ddp": (1, ["--strategy", "ddp"], SPLIT),
     "tp2": (2, ["--strategy", "megatron", "--tp", "2"], SPLIT),
@@ -108,3 +111,17 @@ def test_finder_callbacks(layout):
     assert ours["suggestion"] == ref["suggestion"] and ours["lr"] == ref["lr"]
     ours, ref = _pair(layout, "batch-size-finder-callback")
     assert ours == ref and "not supported with distributed strategies" in ref["raised"]
+
+
+@pytest.mark.parametrize("layout", ["tp2", "pp2"])
+def test_zero_redundancy_optimizer_is_refused_where_ranks_hold_different_parameters(layout):
+    ours, _ = _pair(layout, "zero-redundancy")
+    assert ours["losses"] == []
+    assert "ZeroRedundancyOptimizer over processes [0, 1]" in ours["raised"]
+    assert "use_distributed_optimizer=True" in ours["raised"] and "AdamW(self.parameters()" in ours["raised"]
+
+
+def test_zero_redundancy_optimizer_over_the_replicas_is_ddps():
+    ours, ref = _pair("dp2", "zero-redundancy")
+    assert ours["raised"] is ref["raised"] is None
+    _close(ours["losses"], ref["losses"])

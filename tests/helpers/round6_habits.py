@@ -236,3 +236,26 @@ def batch_size_finder_callback(args, workdir):
 
 HABITS["lr-finder-callback"] = lr_finder_callback
 HABITS["batch-size-finder-callback"] = batch_size_finder_callback
+
+
+# ---------------------------------------------------------------- 5. torch's ZeroRedundancyOptimizer
+class ZeroGPT(GPT):
+    """``ZeroRedundancyOptimizer`` over the default group, as torch's DDP tutorial builds it."""
+
+    def configure_optimizers(self):
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+
+        return ZeroRedundancyOptimizer(self.parameters(), optimizer_class=torch.optim.AdamW, lr=1e-2)
+
+
+def zero_redundancy(args, workdir):
+    losses = StepLosses()
+    try:
+        trainer(args, [losses], max_steps=3, limit_val_batches=0).fit(ZeroGPT(batch_size=8 // args.dp))
+        raised = None
+    except Exception as error:  # noqa: BLE001 - the test reads the message
+        raised = f"{type(error).__name__}: {error}"
+    return {"losses": losses.losses, "raised": raised}
+
+
+HABITS["zero-redundancy"] = zero_redundancy

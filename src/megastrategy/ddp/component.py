@@ -39,6 +39,7 @@ from megastrategy.ddp.optimizer_wrapping import wrap_optimizers
 from megastrategy.ddp.trainable_set import refuse_change, trainable_change
 from megastrategy.ddp.user_clip import refuse_without_visible_grads
 from megastrategy.ddp.zero_grad_guard import guard_zero_grad
+from megastrategy.ddp.zero_redundancy_refusal import refuse_zero_redundancy
 from megastrategy.errors import MegatronConfigError
 from megastrategy.layers.shard_spec import get_shard_spec
 from megastrategy.rank_zero import log_on_rank_zero
@@ -110,6 +111,8 @@ class GradientBuffers(Component):
                          f"parameter(s) unfrozen, {len(frozen)} frozen): gradient buffer rebuilt")
 
     def wrap_optimizers(self, optimizers: list) -> list:
+        if self._ctx is not None:
+            refuse_zero_redundancy(optimizers, self.config, self._ctx.parallel_state.dp_ranks)
         with_experts = self._ctx is not None and self._ctx.num_moe_layers > 0
         wrapped = wrap_optimizers(
             optimizers, self.buffer, distributed=self.config.use_distributed_optimizer, with_experts=with_experts

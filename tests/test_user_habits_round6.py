@@ -18,6 +18,9 @@ One launch per layout of tests/scripts/habits_round6.py runs every habit one aft
   xfail until the pipeline's splitter cuts lists of per-example values);
 * torch's ``ZeroRedundancyOptimizer`` over the default group: refused at tp2 (it overwrote shards
   with other ranks' shards, silently) and pp2 (gloo aborted), DDP's losses at dp2;
+* Lightning's recipe ``self.log_dict(grad_norm(self, norm_type=2))`` with ``from megastrategy import
+  grad_norm`` (the same signature): DDP's keys and values, per parameter and total, on every rank
+  (Lightning's own gives this rank's shards and stage: documented, and checked to differ);
 * ``LearningRateFinder`` as a callback (DDP's losses at every lr tried), ``BatchSizeFinder``
   refused with DDP's own message.
 """
@@ -32,7 +35,7 @@ pytestmark = pytest.mark.slow
 
 HOOKS = ["optimizer-step-closure", "zero-grad-keep", "configure-clipping", "scheduler-step", "foreach-groups"]
 SPLIT = HOOKS + ["strategy-sizes", "metrics", "text-metric", "lr-finder-callback", "batch-size-finder-callback",
-                 "zero-redundancy"]
+                 "zero-redundancy", "grad-norm"]
 DATA = ["zero-grad-keep", "strategy-sizes", "zero-redundancy"]
 LAUNCHES = {  # layout: (processes, strategy arguments, habits)
     "ddp": (1, ["--strategy", "ddp"], SPLIT),
@@ -125,3 +128,17 @@ def test_zero_redundancy_optimizer_over_the_replicas_is_ddps():
     ours, ref = _pair("dp2", "zero-redundancy")
     assert ours["raised"] is ref["raised"] is None
     _close(ours["losses"], ref["losses"])
+
+
+@pytest.mark.parametrize("layout", ["tp2", "pp2"])
+def test_megastrategy_grad_norm_logs_one_devices_norms(layout):
+    ours, ref = _pair(layout, "grad-norm")
+    _close(ours["losses"], ref["losses"])
+    assert len(ours["norms"]) == len(ref["norms"]) == 2
+    for mine, theirs in zip(ours["norms"], ref["norms"]):
+        for part in ("model", "blocks"):  # every parameter's whole norm (2 and inf), and the total
+            assert sorted(mine[part]) == sorted(theirs[part])
+            _close([mine[part][k] for k in sorted(theirs[part])], [theirs[part][k] for k in sorted(theirs[part])])
+        assert mine["local_total"] < theirs["model"]["grad_2.0_norm_total"] - 0.1  # Lightning's: this rank's only
+    assert sorted(ours["logged"]) == sorted(ref["logged"])
+    _close([ours["logged"][k] for k in sorted(ref["logged"])], [ref["logged"][k] for k in sorted(ref["logged"])])

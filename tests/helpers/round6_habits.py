@@ -259,3 +259,35 @@ def zero_redundancy(args, workdir):
 
 
 HABITS["zero-redundancy"] = zero_redundancy
+
+
+# ---------------------------------------------------------------- 6. the grad_norm logging recipe
+class LogsGradNorms(GPT):
+    """Lightning's recipe, ``self.log_dict(grad_norm(self, norm_type=2))`` in ``on_before_optimizer_step``,
+    with ``megastrategy.grad_norm`` (Lightning's own outside the strategy); also a submodule's inf-norms."""
+
+    def __init__(self, **kw) -> None:
+        super().__init__(**kw)
+        self.norms: list = []
+
+    def on_before_optimizer_step(self, optimizer):
+        from lightning.pytorch.utilities import grad_norm as lightning_grad_norm
+
+        from megastrategy import grad_norm
+
+        norms = grad_norm(self, norm_type=2)
+        self.log_dict(norms)
+        blocks = grad_norm(self.blocks, "inf", group_separator=".")
+        local = lightning_grad_norm(self, 2)["grad_2.0_norm_total"]
+        self.norms.append({"model": {k: float(v) for k, v in norms.items()}, "blocks": {k: float(v) for k, v in blocks.items()},
+                           "local_total": float(local)})
+
+
+def grad_norms(args, workdir):
+    losses, module = StepLosses(), LogsGradNorms(batch_size=8 // args.dp)
+    t = trainer(args, [losses], max_steps=2, limit_val_batches=0)
+    t.fit(module)
+    return {"losses": losses.losses, "norms": module.norms, "logged": {k: float(v) for k, v in t.callback_metrics.items()}}
+
+
+HABITS["grad-norm"] = grad_norms

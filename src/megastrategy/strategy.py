@@ -41,6 +41,7 @@ from megastrategy.precision import adopt_precision_plugin
 from megastrategy.replica_collectives import ReplicaCollectives
 from megastrategy.replicas import broadcast_module_states, set_metric_process_group
 from megastrategy.signature import passthrough_arguments, signature_from
+from megastrategy.unstepped_grads import clear_unstepped_grads
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -259,6 +260,12 @@ class MegatronStrategy(LightningStepMethods, CheckpointMethods, ReplicaCollectiv
         finally:
             self.components.each("zero_grads")
             self._grads_finalized = False
+
+    def _before_training_step(self) -> None:
+        """One device's zero_grad before backward, for gradients a closure left without a step."""
+        if self._ctx is not None:
+            clear_unstepped_grads(self.lightning_module.trainer, self._ctx.grad_buffers,
+                                  lambda: self.components.each("zero_grads"))
 
     def _clip_user_params(self, params: list, max_norm: float, norm_type: float) -> torch.Tensor:
         """The user's ``torch.nn.utils.clip_grad_norm_`` on the model: reduced first under manual

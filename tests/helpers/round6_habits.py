@@ -96,7 +96,7 @@ def _fit(kind, report=(), **flags):
 
     def run(args, workdir):
         losses, module = StepLosses(), kind(batch_size=8 // args.dp)
-        t = trainer(args, [losses], max_steps=3, limit_val_batches=0, **flags)
+        t = trainer(args, [losses], **{"max_steps": 3, "limit_val_batches": 0, **flags})
         t.fit(module)
         return {"losses": losses.losses, "lrs": _lrs(t.optimizers[0]), **{k: getattr(module, k) for k in report}}
 
@@ -291,3 +291,50 @@ def grad_norms(args, workdir):
 
 
 HABITS["grad-norm"] = grad_norms
+
+
+# ---------------------------------------------------------------- 7. a step skipped in optimizer_step
+class StepEveryOther(GPT):
+    """The docs' ``optimizer_step`` that steps every second batch and otherwise calls the closure by
+    itself ("to run training_step + backward without an optimizer step")."""
+
+    def optimizer_step(self, epoch, batch_idx, optimizer, optimizer_closure):
+        if (batch_idx + 1) % 2 == 0:
+            optimizer.step(closure=optimizer_closure)
+        else:
+            optimizer_closure()
+
+
+HABITS["closure-without-step"] = _fit(StepEveryOther)
+HABITS["closure-without-step-sgd"] = _fit(type("StepEveryOtherSGD", (StepEveryOther,), {
+    "configure_optimizers": lambda self: torch.optim.SGD(self.parameters(), lr=0.5)}), max_steps=6)
+
+
+class ParamStats(GPT):
+    """Logs parameter statistics through the logger's experiment from rank 0 (as histogram code does):
+    of what rank 0 holds (its shards, its stage). Reading another stage's module there raises
+    (``UnreachableAttributeError``)."""
+
+    def on_train_batch_end(self, outputs, batch, batch_idx):
+        if self.global_rank == 0:
+            stats = {f"{n}_mean": float(p.detach().float().mean()) for n, p in self.named_parameters()}
+            self.logger.experiment.log_metrics(stats, self.global_step)
+
+
+def param_stats(args, workdir):
+    import csv
+
+    from lightning.pytorch.loggers import CSVLogger
+
+    losses = StepLosses()
+    t = trainer(args, [losses], max_steps=2, limit_val_batches=0, logger=CSVLogger(str(workdir)))
+    try:
+        t.fit(ParamStats(batch_size=8 // args.dp))
+        raised = None
+    except Exception as error:  # noqa: BLE001 - compared with DDP's
+        raised = f"{type(error).__name__}: {error}"
+    rows = list(csv.DictReader(open(t.logger.experiment.metrics_file_path))) if t.global_rank == 0 and not raised else []
+    return {"losses": losses.losses, "raised": raised, "columns": sorted({k for r in rows for k, v in r.items() if v})}
+
+
+HABITS["param-stats"] = param_stats

@@ -47,6 +47,13 @@ def grad_norm(module: nn.Module, norm_type: Union[float, int, str], group_separa
     ctx = _ACTIVE.get("ctx")
     if ctx is None or ctx.parallel_state.tp_size * ctx.parallel_state.pp_size == 1:
         return lightning_grad_norm(module, norm_type, group_separator)
+    if ctx.parallel_state.ep_size > 1:
+        from megastrategy.errors import MegatronConfigError
+
+        raise MegatronConfigError(
+            f"megastrategy.grad_norm with ep={ctx.parallel_state.ep_size}: expert parameters differ between the "
+            "expert-parallel ranks and are not gathered by name here. Log trainer.strategy.grad_norm() (the global "
+            "norm, experts included), or Lightning's grad_norm(module) for this rank's tensors.")
     p = float(norm_type)
     if p <= 0:
         raise ValueError(f"`norm_type` must be a positive number or 'inf' (infinity norm). Got {p}")

@@ -338,3 +338,48 @@ def param_stats(args, workdir):
 
 
 HABITS["param-stats"] = param_stats
+
+
+# ---------------------------------------------------------------- 8. the user's own activation checkpointing
+class CheckpointedGPT(GPT):
+    """``torch.utils.checkpoint.checkpoint(block, x)`` per block in the forward, as memory tutorials write it."""
+
+    reentrant = False
+
+    def forward(self, ids):
+        from torch.utils.checkpoint import checkpoint
+
+        x = self.wte(ids) + self.wpe(torch.arange(ids.shape[1], device=ids.device))
+        for b in self.blocks:
+            x = checkpoint(b, x, use_reentrant=self.reentrant) if self.training else b(x)
+        return self.lm_head(self.ln_f(x))
+
+
+HABITS["user-checkpointing"] = _fit(CheckpointedGPT)
+HABITS["user-checkpointing-reentrant"] = _fit(type("ReentrantGPT", (CheckpointedGPT,), {"reentrant": True}))
+
+
+# ---------------------------------------------------------------- 9. an IterableDataset sharded by worker and rank
+class WorkerShards(torch.utils.data.IterableDataset):
+    """Rows ``i`` with ``i % (workers * replicas) == worker + workers * rank``: the split torch's docs
+    show for workers, combined with Lightning's rank (``trainer.global_rank``, ``world_size``)."""
+
+    def __init__(self, rows, rank_and_size) -> None:
+        self.rows, self.rank_and_size = rows, rank_and_size
+
+    def __iter__(self):
+        info = torch.utils.data.get_worker_info()
+        worker, workers = (info.id, info.num_workers) if info is not None else (0, 1)
+        rank, size = self.rank_and_size
+        shard, shards = worker + workers * rank, workers * size
+        return (self.rows[i] for i in range(len(self.rows)) if i % shards == shard)
+
+
+class WorkerShardedGPT(GPT):
+    def train_dataloader(self):
+        kw = self.trainer.strategy.distributed_sampler_kwargs if self.trainer.world_size > 1 else {"rank": 0, "num_replicas": 1}
+        shards = WorkerShards(TokenDataset(32), (kw["rank"], kw["num_replicas"]))
+        return DataLoader(shards, batch_size=self.batch_size, num_workers=2)
+
+
+HABITS["worker-shards"] = _fit(WorkerShardedGPT)

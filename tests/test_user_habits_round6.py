@@ -10,7 +10,8 @@ One launch per layout of tests/scripts/habits_round6.py runs every habit one aft
   buffer; ddp/zero_grad_guard.py), ``configure_gradient_clipping`` calling ``self.clip_gradients``,
   ``lr_scheduler_step``, an ``optimizer_step`` that steps every second batch and otherwise calls
   ``optimizer_closure()`` alone (the skipped batch's gradients were added to the next one's on every
-  layout; unstepped_grads.py clears them where one device's zero_grad does); ``AdamW(foreach=True, fused=False)`` over no-decay groups with their own lr;
+  layout; unstepped_grads.py clears them where one device's zero_grad does), both also with
+  ``accumulate_grad_batches=2``; ``AdamW(foreach=True, fused=False)`` over no-decay groups with their own lr;
 * ``strategy.broadcast`` (rank 0's object everywhere), ``strategy.reduce(sum)`` (over the data
   replicas: at tp2 one device's count; at pp2 per microbatch, as documented), ``trainer.world_size``
   (the processes) against ``distributed_sampler_kwargs["num_replicas"]`` (the data replicas, what
@@ -43,9 +44,10 @@ SCRIPT = Path(__file__).parent / "scripts" / "habits_round6.py"
 pytestmark = pytest.mark.slow
 
 HOOKS = ["optimizer-step-closure", "zero-grad-keep", "configure-clipping", "scheduler-step", "foreach-groups",
-         "closure-without-step", "closure-without-step-sgd"]
+         "closure-without-step", "closure-without-step-sgd", "closure-without-step-accumulate", "zero-grad-keep-accumulate"]
 SPLIT = HOOKS + ["strategy-sizes", "metrics", "text-metric", "lr-finder-callback", "batch-size-finder-callback",
-                 "zero-redundancy", "grad-norm", "param-stats", "worker-shards", "user-checkpointing"]
+                 "zero-redundancy", "grad-norm", "param-stats", "worker-shards", "user-checkpointing",
+                 "strategy-recompute"]
 DATA = ["zero-grad-keep", "strategy-sizes", "zero-redundancy", "closure-without-step-sgd"]
 LAUNCHES = {  # layout: (processes, strategy arguments, habits)
     "ddp": (1, ["--strategy", "ddp"], SPLIT + ["user-checkpointing-reentrant"]),
@@ -195,4 +197,9 @@ def test_users_own_activation_checkpointing_at_tp2(habit):
     "recomputation in backward runs them again: pp2 losses 22.29 vs DDP 22.09 at step 2 (use_reentrant=True hangs). "
     "Adopt it as HF gradient_checkpointing_enable() is adopted, or refuse it naming activation_checkpointing='full'"))
 def test_users_own_activation_checkpointing_at_pp2():
+    """(The strategy's ``activation_checkpointing="full"`` is exact there: the next test.)"""
     _close(*(r["losses"] for r in _pair("pp2", "user-checkpointing")))
+
+
+def test_the_strategys_recompute_is_exact_at_pp2():
+    _close(*(r["losses"] for r in _pair("pp2", "strategy-recompute")))

@@ -306,6 +306,8 @@ class StepEveryOther(GPT):
 
 
 HABITS["closure-without-step"] = _fit(StepEveryOther)
+HABITS["closure-without-step-accumulate"] = _fit(StepEveryOther, accumulate_grad_batches=2)
+HABITS["zero-grad-keep-accumulate"] = _fit(KeepGradTensors, accumulate_grad_batches=2)
 HABITS["closure-without-step-sgd"] = _fit(type("StepEveryOtherSGD", (StepEveryOther,), {
     "configure_optimizers": lambda self: torch.optim.SGD(self.parameters(), lr=0.5)}), max_steps=6)
 
@@ -383,3 +385,19 @@ class WorkerShardedGPT(GPT):
 
 
 HABITS["worker-shards"] = _fit(WorkerShardedGPT)
+
+
+def strategy_recompute(args, workdir):
+    """What the pp refusal's fix names: the strategy's ``activation_checkpointing="full"`` instead."""
+    extra = {}
+    if args.strategy != "ddp":
+        from megastrategy import MegatronStrategy
+
+        extra["strategy"] = MegatronStrategy(tp=args.tp, pp=args.pp, tp_plan=GPT.TP_PLAN if args.tp > 1 else None,
+                                             activation_checkpointing="full")
+    losses = StepLosses()
+    trainer(args, [losses], max_steps=3, limit_val_batches=0, **extra).fit(GPT(batch_size=8 // args.dp))
+    return {"losses": losses.losses}
+
+
+HABITS["strategy-recompute"] = strategy_recompute

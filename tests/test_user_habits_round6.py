@@ -31,6 +31,9 @@ One launch per layout of tests/scripts/habits_round6.py runs every habit one aft
 * ``torch.utils.checkpoint.checkpoint(block, x)`` in the user's forward: tp2 exact (reentrant or not);
   pp2 not yet (xfail: wrong losses without reentrance; with ``use_reentrant=True`` it hangs, so it
   is not launched here);
+* a contrastive loss over ``self.all_gather(z, sync_grads=True)`` (SimCLR/CLIP): at tp2 and pp2 torch's
+  gather backward failed on gloo over a data-parallel group without global rank 0 (gather_with_grads.py);
+  DDP's losses at tp2, dp2, and pp2 with ``num_microbatches=1`` (microbatches contrast their own rows);
 * ``LearningRateFinder`` as a callback (DDP's losses at every lr tried), ``BatchSizeFinder``
   refused with DDP's own message.
 """
@@ -47,8 +50,8 @@ HOOKS = ["optimizer-step-closure", "zero-grad-keep", "configure-clipping", "sche
          "closure-without-step", "closure-without-step-sgd", "closure-without-step-accumulate", "zero-grad-keep-accumulate"]
 SPLIT = HOOKS + ["strategy-sizes", "metrics", "text-metric", "lr-finder-callback", "batch-size-finder-callback",
                  "zero-redundancy", "grad-norm", "param-stats", "worker-shards", "user-checkpointing",
-                 "strategy-recompute"]
-DATA = ["zero-grad-keep", "strategy-sizes", "zero-redundancy", "closure-without-step-sgd"]
+                 "strategy-recompute", "contrastive", "contrastive-one-microbatch"]
+DATA = ["zero-grad-keep", "strategy-sizes", "zero-redundancy", "closure-without-step-sgd", "contrastive"]
 LAUNCHES = {  # layout: (processes, strategy arguments, habits)
     "ddp": (1, ["--strategy", "ddp"], SPLIT + ["user-checkpointing-reentrant"]),
     "tp2": (2, ["--strategy", "megatron", "--tp", "2"], SPLIT + ["user-checkpointing-reentrant"]),
@@ -203,3 +206,16 @@ def test_users_own_activation_checkpointing_at_pp2():
 
 def test_the_strategys_recompute_is_exact_at_pp2():
     _close(*(r["losses"] for r in _pair("pp2", "strategy-recompute")))
+
+
+@pytest.mark.parametrize("layout", ["tp2", "dp2"])
+def test_contrastive_loss_over_gathered_embeddings(layout):
+    _close(*(r["losses"] for r in _pair(layout, "contrastive")))
+
+
+def test_contrastive_loss_at_pp2():
+    """Each microbatch contrasts its own rows (a loss that is not a mean over examples: the README's
+    microbatch exception), so pp2 runs without error; ``num_microbatches=1`` is one device's loss."""
+    ours, ref = _pair("pp2", "contrastive")
+    assert len(ours["losses"]) == len(ref["losses"]) and all(0 < a < b for a, b in zip(ours["losses"], ref["losses"]))
+    _close(*(r["losses"] for r in _pair("pp2", "contrastive-one-microbatch")))

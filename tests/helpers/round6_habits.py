@@ -401,3 +401,40 @@ def strategy_recompute(args, workdir):
 
 
 HABITS["strategy-recompute"] = strategy_recompute
+
+
+# ---------------------------------------------------------------- 10. a contrastive loss over the global batch
+class Contrastive(GPT):
+    """SimCLR/CLIP habit: embeddings gathered from every replica with ``self.all_gather(z, sync_grads=True)``,
+    each row's positive at its global index."""
+
+    def compute_loss(self, batch):
+        ids = batch["input_ids"]
+        z = F.normalize(self(ids).mean(1), dim=-1)
+        every = self.all_gather(z, sync_grads=True)
+        every = every.flatten(0, 1) if every.dim() == 3 else every
+        offset = self.trainer.strategy.distributed_sampler_kwargs["rank"] * len(z) if self.trainer.world_size > 1 else 0
+        if every.shape[0] == len(z):
+            offset = 0
+        labels = torch.arange(len(z), device=z.device) + offset
+        return F.cross_entropy(z @ every.T / 0.1, labels)
+
+
+HABITS["contrastive"] = _fit(Contrastive)
+
+
+def contrastive_one_microbatch(args, workdir):
+    """Under pp each microbatch's rows are contrasted with each other only (a loss that is not a mean
+    over examples: documented); ``num_microbatches=1`` contrasts the whole batch, as one device does."""
+    extra = {}
+    if args.strategy != "ddp":
+        from megastrategy import MegatronStrategy
+
+        extra["strategy"] = MegatronStrategy(tp=args.tp, pp=args.pp, tp_plan=GPT.TP_PLAN if args.tp > 1 else None,
+                                             num_microbatches=1)
+    losses = StepLosses()
+    trainer(args, [losses], max_steps=3, limit_val_batches=0, **extra).fit(Contrastive(batch_size=8 // args.dp))
+    return {"losses": losses.losses}
+
+
+HABITS["contrastive-one-microbatch"] = contrastive_one_microbatch

@@ -34,6 +34,8 @@ One launch per layout of tests/scripts/habits_round6.py runs every habit one aft
 * a contrastive loss over ``self.all_gather(z, sync_grads=True)`` (SimCLR/CLIP): at tp2 and pp2 torch's
   gather backward failed on gloo over a data-parallel group without global rank 0 (gather_with_grads.py);
   DDP's losses at tp2, dp2, and pp2 with ``num_microbatches=1`` (microbatches contrast their own rows);
+* ``F.cross_entropy(label_smoothing=0.1)``, ``nn.Embedding(padding_idx=0)``, ``on_train_batch_start``
+  returning -1 (the epoch ends): DDP's losses;
 * ``LearningRateFinder`` as a callback (DDP's losses at every lr tried), ``BatchSizeFinder``
   refused with DDP's own message.
 """
@@ -46,11 +48,12 @@ from tests.helpers.habit_launches import Launches, close as _close
 SCRIPT = Path(__file__).parent / "scripts" / "habits_round6.py"
 pytestmark = pytest.mark.slow
 
+EXACT = ["label-smoothing", "padding-idx", "batch-start-minus-one"]
 HOOKS = ["optimizer-step-closure", "zero-grad-keep", "configure-clipping", "scheduler-step", "foreach-groups",
          "closure-without-step", "closure-without-step-sgd", "closure-without-step-accumulate", "zero-grad-keep-accumulate"]
 SPLIT = HOOKS + ["strategy-sizes", "metrics", "text-metric", "lr-finder-callback", "batch-size-finder-callback",
                  "zero-redundancy", "grad-norm", "param-stats", "worker-shards", "user-checkpointing",
-                 "strategy-recompute", "contrastive", "contrastive-one-microbatch"]
+                 "strategy-recompute", "contrastive", "contrastive-one-microbatch"] + EXACT
 DATA = ["zero-grad-keep", "strategy-sizes", "zero-redundancy", "closure-without-step-sgd", "contrastive"]
 LAUNCHES = {  # layout: (processes, strategy arguments, habits)
     "ddp": (1, ["--strategy", "ddp"], SPLIT + ["user-checkpointing-reentrant"]),
@@ -219,3 +222,9 @@ def test_contrastive_loss_at_pp2():
     ours, ref = _pair("pp2", "contrastive")
     assert len(ours["losses"]) == len(ref["losses"]) and all(0 < a < b for a, b in zip(ours["losses"], ref["losses"]))
     _close(*(r["losses"] for r in _pair("pp2", "contrastive-one-microbatch")))
+
+
+@pytest.mark.parametrize("layout", ["tp2", "pp2"])
+@pytest.mark.parametrize("habit", EXACT)
+def test_loss_embedding_and_loop_options(layout, habit):
+    _close(*(r["losses"] for r in _pair(layout, habit)))

@@ -438,3 +438,37 @@ def contrastive_one_microbatch(args, workdir):
 
 
 HABITS["contrastive-one-microbatch"] = contrastive_one_microbatch
+
+
+# ---------------------------------------------------------------- 11. loss and embedding options tutorials set
+class SmoothedGPT(GPT):
+    """``F.cross_entropy(..., label_smoothing=0.1)``, as the classification and LM recipes set it."""
+
+    def compute_loss(self, batch):
+        ids = batch["input_ids"]
+        logits = self(ids[:, :-1])
+        return F.cross_entropy(logits.reshape(-1, VOCAB), ids[:, 1:].reshape(-1), label_smoothing=0.1)
+
+
+class PaddedEmbeddingGPT(GPT):
+    """``nn.Embedding(vocab, d, padding_idx=0)``: the padding row gets no gradient."""
+
+    def __init__(self, **kw) -> None:
+        super().__init__(**kw)
+        self.wte = torch.nn.Embedding(VOCAB, 32, padding_idx=0)
+        self.lm_head = torch.nn.Linear(32, VOCAB, bias=False)
+
+    def on_train_end(self):
+        self.pad_row = float(self.wte.weight[0].abs().sum()) if self.wte.weight.shape[0] else None
+
+
+class EarlyEpochEnd(GPT):
+    """``on_train_batch_start`` returning -1 ends the epoch (Lightning's documented early exit)."""
+
+    def on_train_batch_start(self, batch, batch_idx):
+        return -1 if batch_idx == 2 else None
+
+
+HABITS["label-smoothing"] = _fit(SmoothedGPT)
+HABITS["padding-idx"] = _fit(PaddedEmbeddingGPT)
+HABITS["batch-start-minus-one"] = _fit(EarlyEpochEnd, max_steps=-1, max_epochs=2)

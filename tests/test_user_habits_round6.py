@@ -34,6 +34,9 @@ One launch per layout of tests/scripts/habits_round6.py runs every habit one aft
 * a contrastive loss over ``self.all_gather(z, sync_grads=True)`` (SimCLR/CLIP): at tp2 and pp2 torch's
   gather backward failed on gloo over a data-parallel group without global rank 0 (gather_with_grads.py);
   DDP's losses at tp2, dp2, and pp2 with ``num_microbatches=1`` (microbatches contrast their own rows);
+* ``torch.optim.LBFGS`` (it re-evaluates the closure): at dp2 the re-evaluations were not reduced
+  again (now DDP's); at tp2/pp2 refused (its dot products see a rank's shards and stage);
+  ``torch.optim.Adafactor`` refused at tp2 (per-tensor statistics of a shard), DDP's at pp2;
 * ``F.cross_entropy(label_smoothing=0.1)``, ``nn.Embedding(padding_idx=0)``, ``on_train_batch_start``
   returning -1 (the epoch ends): DDP's losses;
 * ``LearningRateFinder`` as a callback (DDP's losses at every lr tried), ``BatchSizeFinder``
@@ -53,8 +56,8 @@ HOOKS = ["optimizer-step-closure", "zero-grad-keep", "configure-clipping", "sche
          "closure-without-step", "closure-without-step-sgd", "closure-without-step-accumulate", "zero-grad-keep-accumulate"]
 SPLIT = HOOKS + ["strategy-sizes", "metrics", "text-metric", "lr-finder-callback", "batch-size-finder-callback",
                  "zero-redundancy", "grad-norm", "param-stats", "worker-shards", "user-checkpointing",
-                 "strategy-recompute", "contrastive", "contrastive-one-microbatch"] + EXACT
-DATA = ["zero-grad-keep", "strategy-sizes", "zero-redundancy", "closure-without-step-sgd", "contrastive"]
+                 "strategy-recompute", "contrastive", "contrastive-one-microbatch", "lbfgs", "adafactor"] + EXACT
+DATA = ["zero-grad-keep", "strategy-sizes", "zero-redundancy", "closure-without-step-sgd", "contrastive", "lbfgs"]
 LAUNCHES = {  # layout: (processes, strategy arguments, habits)
     "ddp": (1, ["--strategy", "ddp"], SPLIT + ["user-checkpointing-reentrant"]),
     "tp2": (2, ["--strategy", "megatron", "--tp", "2"], SPLIT + ["user-checkpointing-reentrant"]),
@@ -228,3 +231,18 @@ def test_contrastive_loss_at_pp2():
 @pytest.mark.parametrize("habit", EXACT)
 def test_loss_embedding_and_loop_options(layout, habit):
     _close(*(r["losses"] for r in _pair(layout, habit)))
+
+
+def test_lbfgs_re_evaluations_reduced_with_two_replicas():
+    _close(*(r["losses"] for r in _pair("dp2", "lbfgs")))
+
+
+@pytest.mark.parametrize("layout,habit", [("tp2", "lbfgs"), ("pp2", "lbfgs"), ("tp2", "adafactor")])
+def test_optimizers_needing_whole_tensors_are_refused_where_ranks_hold_parts(layout, habit):
+    ours, _ = _pair(layout, habit)
+    assert ours["losses"] == [] and ours["raised"].startswith("MegatronConfigError: configure_optimizers returned")
+    assert ("AdamW" in ours["raised"]) and ("tp=1" in ours["raised"])
+
+
+def test_adafactor_at_pp2_is_ddps():
+    _close(*(r["losses"] for r in _pair("pp2", "adafactor")))

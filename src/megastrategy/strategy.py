@@ -247,7 +247,12 @@ class MegatronStrategy(LightningStepMethods, CheckpointMethods, ReplicaCollectiv
 
     # ------------------------------------------------------------------ optimization
     def optimizer_step(self, optimizer, closure: Callable[[], Any], model=None, **kwargs: Any) -> Any:
+        calls = [0]
+
         def closure_then_finalize() -> Any:
+            calls[0] += 1
+            if calls[0] > 1:  # an optimizer that re-evaluates (LBFGS): the new backward's gradients are reduced again
+                self._grads_finalized = False
             with ExitStack() as stack:
                 self.components.last_microbatch(stack, self._runner.num_microbatches)
                 result = closure()

@@ -39,6 +39,7 @@ from megastrategy.ddp.optimizer_wrapping import wrap_optimizers
 from megastrategy.ddp.trainable_set import refuse_change, trainable_change
 from megastrategy.ddp.user_clip import refuse_without_visible_grads
 from megastrategy.ddp.zero_grad_guard import guard_zero_grad
+from megastrategy.ddp.shard_statistics_refusal import refuse_shard_statistics
 from megastrategy.ddp.zero_redundancy_refusal import refuse_zero_redundancy
 from megastrategy.ddp import whole_grad_norm
 from megastrategy.errors import MegatronConfigError
@@ -114,6 +115,7 @@ class GradientBuffers(Component):
     def wrap_optimizers(self, optimizers: list) -> list:
         if self._ctx is not None:
             refuse_zero_redundancy(optimizers, self.config, self._ctx.parallel_state.dp_ranks)
+            refuse_shard_statistics(optimizers, self.config, self._ctx.parallel_state.dp_size)
         with_experts = self._ctx is not None and self._ctx.num_moe_layers > 0
         wrapped = wrap_optimizers(
             optimizers, self.buffer, distributed=self.config.use_distributed_optimizer, with_experts=with_experts

@@ -5,7 +5,10 @@ overridden (``optimizer_step`` with the closure and a hand-made warm-up, ``optim
 keeping the tensors, ``configure_gradient_clipping``, ``lr_scheduler_step``), ``AdamW(foreach=True)``
 over two groups with their own learning rates, the strategy's ``broadcast``/``reduce`` and the
 Trainer's sizes, a ``MetricCollection`` with compute groups, ``BinaryAUROC`` and a text metric over a
-batch's strings, and the finder callbacks. Each on a fresh Trainer (``tests/helpers/round3_habits.trainer``);
+batch's strings, the finder callbacks, ``ZeroRedundancyOptimizer``, LBFGS and Adafactor, the
+``grad_norm`` logging recipe, parameter statistics through the logger, the user's own activation
+checkpointing, a contrastive loss over ``all_gather(sync_grads=True)``, and a few loss, embedding and
+loop options. Each on a fresh Trainer (``tests/helpers/round3_habits.trainer``);
 tests/scripts/habits_round6.py runs several in one launch.
 """
 from __future__ import annotations

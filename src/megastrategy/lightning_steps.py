@@ -22,12 +22,17 @@ class LightningStepMethods:
 
     _runner: Any
 
+    def _before_training_step(self) -> None:
+        """Before the step runner's backward (the strategy clears gradients no optimizer step used)."""
+
     def _step(self, name: str, context: Callable[[], Any], args: tuple, kwargs: dict) -> Any:
         module = self.lightning_module
         args, kwargs = self.precision_plugin.convert_input((args, kwargs))
         training = name == "training_step"
         scaler = loss_scaler(self.precision_plugin) if training else None
         automatic = module.automatic_optimization
+        if training:
+            self._before_training_step()
         with context():
             return self._runner.run(
                 module, name, args, kwargs,

@@ -11,6 +11,7 @@ from typing import Any, Optional, Union
 import torch
 import torch.distributed as dist
 
+from megastrategy.gather_with_grads import all_gather_with_grads
 from megastrategy.replicas import agree_everywhere, reduce_over
 
 __all__ = ["ReplicaCollectives"]
@@ -36,4 +37,6 @@ class ReplicaCollectives:
         the world group by default: that means replicas here."""
         if group in (None, dist.group.WORLD) and self.parallel_state is not None:
             group = self.parallel_state.dp_group
+        if sync_grads and dist.is_initialized():  # torch's backward fails on gloo over a group without rank 0
+            return all_gather_with_grads(tensor, group)
         return super().all_gather(tensor, group=group, sync_grads=sync_grads)  # type: ignore[misc]

@@ -41,6 +41,7 @@ from megastrategy.precision import adopt_precision_plugin
 from megastrategy.replica_collectives import ReplicaCollectives
 from megastrategy.replicas import broadcast_module_states, set_metric_process_group
 from megastrategy.signature import passthrough_arguments, signature_from
+from megastrategy.unstepped_grads import clear_unstepped_grads
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -246,7 +247,12 @@ class MegatronStrategy(LightningStepMethods, CheckpointMethods, ReplicaCollectiv
 
     # ------------------------------------------------------------------ optimization
     def optimizer_step(self, optimizer, closure: Callable[[], Any], model=None, **kwargs: Any) -> Any:
+        calls = [0]
+
         def closure_then_finalize() -> Any:
+            calls[0] += 1
+            if calls[0] > 1:  # an optimizer that re-evaluates (LBFGS): the new backward's gradients are reduced again
+                self._grads_finalized = False
             with ExitStack() as stack:
                 self.components.last_microbatch(stack, self._runner.num_microbatches)
                 result = closure()
@@ -259,6 +265,12 @@ class MegatronStrategy(LightningStepMethods, CheckpointMethods, ReplicaCollectiv
         finally:
             self.components.each("zero_grads")
             self._grads_finalized = False
+
+    def _before_training_step(self) -> None:
+        """One device's zero_grad before backward, for gradients a closure left without a step."""
+        if self._ctx is not None:
+            clear_unstepped_grads(self.lightning_module.trainer, self._ctx.grad_buffers,
+                                  lambda: self.components.each("zero_grads"))
 
     def _clip_user_params(self, params: list, max_norm: float, norm_type: float) -> torch.Tensor:
         """The user's ``torch.nn.utils.clip_grad_norm_`` on the model: reduced first under manual

@@ -38,6 +38,10 @@ from megastrategy.ddp.grad_views import visible_grads
 from megastrategy.ddp.optimizer_wrapping import wrap_optimizers
 from megastrategy.ddp.trainable_set import refuse_change, trainable_change
 from megastrategy.ddp.user_clip import refuse_without_visible_grads
+from megastrategy.ddp.zero_grad_guard import guard_zero_grad
+from megastrategy.ddp.shard_statistics_refusal import refuse_shard_statistics
+from megastrategy.ddp.zero_redundancy_refusal import refuse_zero_redundancy
+from megastrategy.ddp import whole_grad_norm
 from megastrategy.errors import MegatronConfigError
 from megastrategy.layers.shard_spec import get_shard_spec
 from megastrategy.rank_zero import log_on_rank_zero
@@ -109,6 +113,9 @@ class GradientBuffers(Component):
                          f"parameter(s) unfrozen, {len(frozen)} frozen): gradient buffer rebuilt")
 
     def wrap_optimizers(self, optimizers: list) -> list:
+        if self._ctx is not None:
+            refuse_zero_redundancy(optimizers, self.config, self._ctx.parallel_state.dp_ranks)
+            refuse_shard_statistics(optimizers, self.config, self._ctx.parallel_state.dp_size)
         with_experts = self._ctx is not None and self._ctx.num_moe_layers > 0
         wrapped = wrap_optimizers(
             optimizers, self.buffer, distributed=self.config.use_distributed_optimizer, with_experts=with_experts
@@ -117,6 +124,9 @@ class GradientBuffers(Component):
             for optimizer in wrapped:
                 if isinstance(optimizer, DistributedOptimizer):
                     optimizer.enable_overlap_param_gather(self._ctx.module)
+        ctx = self._ctx
+        for optimizer in wrapped:  # the step's gradients are in the buffer before Lightning's zero_grad
+            guard_zero_grad(optimizer, lambda: list(ctx.grad_buffers) if ctx is not None else [])
         self._optimizers = wrapped
         return wrapped
 
@@ -152,7 +162,12 @@ class GradientBuffers(Component):
         if self.buffer is not None:
             self.buffer.zero()
 
+    def on_train_start(self) -> None:
+        if self._ctx is not None:  # megastrategy.grad_norm(module, p): one device's per-parameter norms
+            whole_grad_norm.activate(self._ctx, grad_counts_here(self._ctx))
+
     def teardown(self) -> None:
+        whole_grad_norm.deactivate()
         self.wait_for_params()
         for optimizer in self._optimizers:
             if isinstance(optimizer, DistributedOptimizer) and optimizer.param_gather is not None:

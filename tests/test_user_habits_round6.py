@@ -17,8 +17,8 @@ One launch per layout of tests/scripts/habits_round6.py runs every habit one aft
   (the processes) against ``distributed_sampler_kwargs["num_replicas"]`` (the data replicas, what
   an lr scaled by the replicas needs);
 * a ``MetricCollection`` with compute groups and ``BinaryAUROC`` logged as objects in validation;
-  ``CharErrorRate`` over a list of strings in the batch (pp2: each microbatch gets all the strings;
-  xfail until the pipeline's splitter cuts lists of per-example values);
+  ``CharErrorRate`` over a list of strings in the batch (pp2: each microbatch got all the strings;
+  now split with the rows, ``batch_tree.PerExample``);
 * torch's ``ZeroRedundancyOptimizer`` over the default group: refused at tp2 (it overwrote shards
   with other ranks' shards, silently) and pp2 (gloo aborted), DDP's losses at dp2;
 * Lightning's recipe ``self.log_dict(grad_norm(self, norm_type=2))`` with ``from megastrategy import
@@ -26,11 +26,11 @@ One launch per layout of tests/scripts/habits_round6.py runs every habit one aft
   (Lightning's own gives this rank's shards and stage: documented, and checked to differ);
 * ``self.logger.experiment.log_metrics`` of every parameter's statistic from rank 0 (``CSVLogger``):
   rank 0's tensors, as documented (its shards at tp2, its stage's parameters at pp2); reading another
-  stage's module there raises, naming "the forward" (xfail: the message should name hooks too);
+  stage's module there raises, naming hooks and where to read it;
 * an ``IterableDataset`` split by ``get_worker_info()`` over ``num_workers=2`` and by the data replica;
 * ``torch.utils.checkpoint.checkpoint(block, x)`` in the user's forward: tp2 exact (reentrant or not);
-  pp2 not yet (xfail: wrong losses without reentrance; with ``use_reentrant=True`` it hangs, so it
-  is not launched here);
+  pp2 exact (reentrant or not: a stage's boundary blocks run plainly, ``pipeline/user_checkpoint.py``;
+  the replay had re-run the stage's hooks: 22.29 vs 22.09, and the reentrant variant hung);
 * a contrastive loss over ``self.all_gather(z, sync_grads=True)`` (SimCLR/CLIP): at tp2 and pp2 torch's
   gather backward failed on gloo over a data-parallel group without global rank 0 (gather_with_grads.py);
   DDP's losses at tp2, dp2, and pp2 with ``num_microbatches=1`` (microbatches contrast their own rows);
@@ -61,7 +61,7 @@ DATA = ["zero-grad-keep", "strategy-sizes", "zero-redundancy", "closure-without-
 LAUNCHES = {  # layout: (processes, strategy arguments, habits)
     "ddp": (1, ["--strategy", "ddp"], SPLIT + ["user-checkpointing-reentrant"]),
     "tp2": (2, ["--strategy", "megatron", "--tp", "2"], SPLIT + ["user-checkpointing-reentrant"]),
-    "pp2": (2, ["--strategy", "megatron", "--pp", "2"], SPLIT),
+    "pp2": (2, ["--strategy", "megatron", "--pp", "2"], SPLIT + ["user-checkpointing-reentrant"]),
     "ddp2": (2, ["--strategy", "ddp", "--dp", "2"], DATA),
     "dp2": (2, ["--strategy", "megatron", "--dp", "2"], DATA),
 }
@@ -121,9 +121,6 @@ def test_text_metric_over_the_batchs_strings_at_tp2():
     _text_metric("tp2")
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "pipeline/stage.py iter_microbatches splits tensors only: a list of per-example strings (default_collate of "
-    "a str field) reaches every microbatch whole (8 strings for 4 rows), so a text metric mis-pairs them"))
 def test_text_metric_over_the_batchs_strings_at_pp2():
     _text_metric("pp2")
 
@@ -178,10 +175,6 @@ def test_parameter_statistics_from_rank_zero_are_its_own_tensors(layout):
         assert "ln_f.weight_mean" not in ours["columns"]
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "pipeline/stage.py Unreachable.__getattr__ says 'the forward reads ln_f.weight directly' also when a hook "
-    "(on_train_batch_end on rank 0, logging parameter statistics) reads it; the message should name hooks and the "
-    "fix there (read it on the stage that owns it)"))
 def test_reading_another_stages_parameter_in_a_hook_names_hooks():
     from megastrategy.pipeline.stage import Unreachable, UnreachableAttributeError
 
@@ -200,14 +193,10 @@ def test_users_own_activation_checkpointing_at_tp2(habit):
     _close(*(r["losses"] for r in _pair("tp2", habit)))
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "pipeline stages end and feed themselves through forward hooks on the blocks (layers/recompute.py's docstring); "
-    "torch.utils.checkpoint(block, x) in the user's forward runs those hooks inside the checkpoint, and the "
-    "recomputation in backward runs them again: pp2 losses 22.29 vs DDP 22.09 at step 2 (use_reentrant=True hangs). "
-    "Adopt it as HF gradient_checkpointing_enable() is adopted, or refuse it naming activation_checkpointing='full'"))
-def test_users_own_activation_checkpointing_at_pp2():
-    """(The strategy's ``activation_checkpointing="full"`` is exact there: the next test.)"""
-    _close(*(r["losses"] for r in _pair("pp2", "user-checkpointing")))
+@pytest.mark.parametrize("habit", ["user-checkpointing", "user-checkpointing-reentrant"])
+def test_users_own_activation_checkpointing_at_pp2(habit):
+    """(The strategy's ``activation_checkpointing="full"`` is exact there too: the next test.)"""
+    _close(*(r["losses"] for r in _pair("pp2", habit)))
 
 
 def test_the_strategys_recompute_is_exact_at_pp2():

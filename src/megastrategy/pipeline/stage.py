@@ -245,12 +245,15 @@ class Unreachable(nn.Module):
             return super().__getattr__(attr)
         except AttributeError:
             pass
+        what = f"{self._name}{'' if attr.startswith('[') else '.'}{attr}"
         raise UnreachableAttributeError(
-            f"the forward reads {self._name}{'' if attr.startswith('[') else '.'}{attr} directly (without calling {self._name}) on a pipeline stage "
-            f"that does not own it; pipeline stages place a module by where the forward calls it, so a module "
-            "whose parameters every layer reads (shared relative-position embeddings, as in DeBERTa-v2) cannot be "
-            "split across stages. Use pp=1 (tensor or data parallelism work), or call the module instead of "
-            "reading its attributes."
+            f"{what} was read on a pipeline stage that does not own {self._name} (pipeline stages place a module by "
+            "where the forward calls it; this stage holds a stand-in). In the model's forward (reading it without "
+            f"calling {self._name}): a module whose parameters every layer reads (shared relative-position "
+            "embeddings, as in DeBERTa-v2) cannot be split across stages; use pp=1 (tensor or data parallelism "
+            "work), or call the module instead of reading its attributes. In a hook or callback (parameter "
+            "statistics logged from rank 0): read it where it lives, e.g. iterate over self.named_parameters(), "
+            "which holds this stage's parameters, or log from every rank."
         )
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:

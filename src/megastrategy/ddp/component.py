@@ -38,10 +38,10 @@ from megastrategy.ddp.grad_views import visible_grads
 from megastrategy.ddp.optimizer_wrapping import wrap_optimizers
 from megastrategy.ddp.trainable_set import refuse_change, trainable_change
 from megastrategy.ddp.user_clip import refuse_without_visible_grads
+from megastrategy.ddp.whole_grad_norm import TrainedModels
 from megastrategy.ddp.zero_grad_guard import guard_zero_grad
 from megastrategy.ddp.shard_statistics_refusal import refuse_shard_statistics
 from megastrategy.ddp.zero_redundancy_refusal import refuse_zero_redundancy
-from megastrategy.ddp import whole_grad_norm
 from megastrategy.errors import MegatronConfigError
 from megastrategy.layers.shard_spec import get_shard_spec
 from megastrategy.rank_zero import log_on_rank_zero
@@ -163,11 +163,12 @@ class GradientBuffers(Component):
             self.buffer.zero()
 
     def on_train_start(self) -> None:
-        if self._ctx is not None:  # megastrategy.grad_norm(module, p): one device's per-parameter norms
-            whole_grad_norm.activate(self._ctx, grad_counts_here(self._ctx))
+        if self._ctx is not None:  # megastrategy.grad_norm(module, p) finds the fit through its model
+            TrainedModels.add(self._ctx.module, self._ctx)
 
     def teardown(self) -> None:
-        whole_grad_norm.deactivate()
+        if self._ctx is not None:
+            TrainedModels.remove(self._ctx.module)
         self.wait_for_params()
         for optimizer in self._optimizers:
             if isinstance(optimizer, DistributedOptimizer) and optimizer.param_gather is not None:

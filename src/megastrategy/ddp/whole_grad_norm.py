@@ -19,22 +19,36 @@ from __future__ import annotations
 
 from typing import Any, Optional, Union
 
+import weakref
+
 import torch
 import torch.distributed as dist
 from torch import nn
 
-__all__ = ["grad_norm", "activate", "deactivate"]
-
-_ACTIVE: dict = {}
+__all__ = ["grad_norm", "TrainedModels"]
 
 
-def activate(ctx: Any, counts_here: Any) -> None:
-    """Called by the strategy when training starts: the parallel state and who counts what."""
-    _ACTIVE.update(ctx=ctx, counts_here=counts_here)
+class TrainedModels:
+    """The models a MegatronStrategy fit is training, each with its setup context, held weakly: the
+    user may pass any submodule (``grad_norm(self.blocks, "inf")``), which knows no trainer."""
 
+    _live: "weakref.WeakKeyDictionary[nn.Module, Any]" = weakref.WeakKeyDictionary()
 
-def deactivate() -> None:
-    _ACTIVE.clear()
+    @classmethod
+    def add(cls, model: nn.Module, ctx: Any) -> None:
+        cls._live[model] = ctx
+
+    @classmethod
+    def remove(cls, model: nn.Module) -> None:
+        cls._live.pop(model, None)
+
+    @classmethod
+    def context_of(cls, module: nn.Module) -> Any:
+        """The setup context of the fit training ``module`` (or a model holding it), else None."""
+        for model, ctx in list(cls._live.items()):
+            if module is model or any(m is module for m in model.modules()):
+                return ctx
+        return None
 
 
 def grad_norm(module: nn.Module, norm_type: Union[float, int, str], group_separator: str = "/") -> dict[str, torch.Tensor]:
@@ -44,8 +58,10 @@ def grad_norm(module: nn.Module, norm_type: Union[float, int, str], group_separa
     (``on_before_optimizer_step`` runs on every rank)."""
     from lightning.pytorch.utilities import grad_norm as lightning_grad_norm
 
-    ctx = _ACTIVE.get("ctx")
-    if ctx is None or ctx.parallel_state.tp_size * ctx.parallel_state.pp_size == 1:
+    from megastrategy.ddp.component import grad_counts_here
+
+    ctx = TrainedModels.context_of(module)
+    if ctx is None or ctx.parallel_state is None or ctx.parallel_state.tp_size * ctx.parallel_state.pp_size == 1:
         return lightning_grad_norm(module, norm_type, group_separator)
     if ctx.parallel_state.ep_size > 1:
         from megastrategy.errors import MegatronConfigError
@@ -57,7 +73,7 @@ def grad_norm(module: nn.Module, norm_type: Union[float, int, str], group_separa
     p = float(norm_type)
     if p <= 0:
         raise ValueError(f"`norm_type` must be a positive number or 'inf' (infinity norm). Got {p}")
-    counts_here = _ACTIVE["counts_here"]
+    counts_here = grad_counts_here(ctx)
     mine = [(name, _power(prm.grad, p) if counts_here(prm) else None)
             for name, prm in module.named_parameters() if prm.grad is not None]
     merged = _merge(_gather(mine, ctx.parallel_state.mp_group), p)

@@ -5,6 +5,8 @@ before any worker starts). Rules that need the model fail in setup_environment, 
 init_process_group: these tests pose as rank 0 of a 2- or 4-process job whose other ranks never
 come, so a rule checked too late would block in the rendezvous (and fail by pytest-timeout).
 """
+from datetime import timedelta
+
 import lightning as L
 import pytest
 import torch.distributed as dist
@@ -19,6 +21,9 @@ pytestmark = pytest.mark.timeout(60)
 
 
 def _trainer(devices, **strategy_kwargs):
+    # a rule checked too late blocks in the rendezvous, inside C++ where pytest-timeout's signal cannot
+    # interrupt it: the store's own timeout ends it, failing the test instead of hanging the run
+    strategy_kwargs.setdefault("timeout", timedelta(seconds=20))
     return L.Trainer(
         accelerator="cpu", devices=devices, strategy=MegatronStrategy(**strategy_kwargs),
         max_steps=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
@@ -72,6 +77,12 @@ class _ThreeLayerGPT(GPT):
         super().__init__(n_layer=3)
 
 
+def _boring():
+    from lightning.pytorch.demos.boring_classes import BoringModel
+
+    return BoringModel()
+
+
 class _NotAList(GPT):
     def __init__(self):
         super().__init__()
@@ -81,14 +92,14 @@ class _NotAList(GPT):
 @pytest.mark.parametrize(
     "devices, make_module, kwargs, match",
     [
-        (2, lambda: _ThreeLayerGPT(), dict(pp=2), r"num_layers=3.*pp"),
+        (4, lambda: _ThreeLayerGPT(), dict(pp=4), r"num_layers=3 cannot fill pp_size=4"),
         (2, lambda: GPT(n_layer=4), dict(pp=2, pipeline_layers="stack"), r"pipeline_layers='stack'"),
         (2, lambda: _NotAList(), dict(pp=2, pipeline_layers="stack"), r"pipeline_layers='stack' is a Linear, not an nn.ModuleList or nn.Sequential"),
         (4, lambda: GPT(n_layer=8), dict(pp=4, vp=2, num_microbatches=7), r"num_microbatches"),
         (2, lambda: GPT(), dict(tp=2, tp_plan={"blocks.*.qq": "column"}), r"blocks\.\*\.qq"),
         (2, lambda: GPT(), dict(tp=2, tp_plan={"blocks.*.q": "diagonal"}), r"diagonal"),
         (2, lambda: GPT(), dict(tp=2, tp_plan={"wpe": "row"}), r"wpe"),
-        (2, lambda: GPT(), dict(tp=2), r"tp_plan"),  # a hand-written GPT needs a plan
+        (2, lambda: _boring(), dict(tp=2), r"tp_plan"),  # no layer stack, nothing known: a plan is needed
     ],
     ids=["layers-vs-pp", "pipeline-layers-missing", "pipeline-layers-not-list", "interleaved-microbatches",
          "glob-matches-nothing", "unknown-style", "style-does-not-fit", "undetectable-model"],

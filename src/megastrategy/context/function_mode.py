@@ -31,9 +31,12 @@ class ContextParallelMode(TorchFunctionMode):
         kwargs = kwargs or {}
         if func is F.scaled_dot_product_attention:
             return sdpa_attention(self.split, *args, **kwargs)
-        if self.token_losses and func in TOKEN_LOSSES:
+        # torch names the function by its module attribute, which a pipelined step may have wrapped
+        # (pipeline/summed_losses.py): the wrapper ran already, the loss is torch's
+        loss = getattr(func, "__wrapped__", func)
+        if self.token_losses and loss in TOKEN_LOSSES:
             return global_token_loss(
-                func, args, kwargs, group=self.group, cp_size=self.split.ring.size,
+                loss, args, kwargs, group=self.group, cp_size=self.split.ring.size,
                 local_tokens=self.split.state.local_tokens,
             )
         if func in SOFTMAX_FUNCTIONS:

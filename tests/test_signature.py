@@ -21,7 +21,7 @@ CLI_SCRIPT = Path(__file__).parent / "scripts" / "cli_fit.py"
 CLI_VALUES = {
     "tp": ("2", 2), "pp": ("2", 2), "vp": ("2", 2), "cp": ("1", 1), "cp_layout": ("balanced", "balanced"), "cp_output": ("tokens", "tokens"), "ep": ("2", 2), "etp": ("1", 1),
     "num_microbatches": ("4", 4), "pipeline_schedule": ("1f1b", "1f1b"), "tp_plan": ('{"blocks.*.qkv": "column"}', {"blocks.*.qkv": "column"}),
-    "pipeline_layers": ("blocks", "blocks"), "order": ("tp-cp-ep-pp-dp", "tp-cp-ep-pp-dp"),
+    "pipeline_layers": ("blocks", "blocks"), "pipeline_stage_layers": ("[1, 2, 1, 2]", (1, 2, 1, 2)), "order": ("tp-cp-ep-pp-dp", "tp-cp-ep-pp-dp"),
     "broadcast_batch": ("true", True), "grad_reduce_in_fp32": ("false", False), "bucket_numel": ("1000", 1000),
     "timeout": ("0:05:00", timedelta(minutes=5)), "watchdog": ("false", False), "heartbeat_timeout": ("5.5", 5.5),
     "detect_anomalies": ("true", True), "async_checkpoint": ("true", True), "on_nonfinite": ("skip", "skip"), "use_distributed_optimizer": ("true", True),

@@ -7,10 +7,10 @@ from megastrategy.pipeline.stage import Unreachable, UnreachableAttributeError
 
 def test_reading_indexing_or_calling_it_is_refused_by_name():
     heads = Unreachable("model.heads")
-    with pytest.raises(UnreachableAttributeError, match=r"reads model\.heads\.weight directly"):
+    with pytest.raises(UnreachableAttributeError, match=r"model\.heads\.weight was read on a pipeline stage that does not own model\.heads.*In a hook"):
         heads.weight
     for use in (lambda: heads[0], lambda: list(heads), lambda: len(heads)):  # MarkupLM's, PoolFormer's lists
-        with pytest.raises(UnreachableAttributeError, match=r"reads model\.heads\[\.\.\.\] directly"):
+        with pytest.raises(UnreachableAttributeError, match=r"model\.heads\[\.\.\.\] was read on a pipeline stage"):
             use()
     with pytest.raises(MegatronConfigError, match="model.heads"):
         heads()

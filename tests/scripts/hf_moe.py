@@ -87,18 +87,20 @@ def train(arch: str, strategy, ckpt: Path, devices: int) -> tuple[list[float], L
 def main() -> None:
     p = layout_parser()
     p.add_argument("--ep", type=int, default=1)
+    p.add_argument("--models", default=",".join(MODELS), help="comma-separated keys of MODELS")
+    p.add_argument("--microbatches", type=int, default=None, help="num_microbatches under pp > 1")
     args = p.parse_args()
     out = Path(args.out)
     devices, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])  # Lightning's teardown removes them
     results = {}
-    for arch in MODELS:
+    for arch in args.models.split(","):
         if args.strategy == "ddp":
             strategy = DDPStrategy(process_group_backend="gloo")
         else:
             from megastrategy import MegatronStrategy
 
-            strategy = MegatronStrategy(tp=args.tp, ep=args.ep, etp=1)
-        ckpt = out.parent / f"{arch}-{args.strategy}-tp{args.tp}.ckpt"
+            strategy = MegatronStrategy(tp=args.tp, ep=args.ep, etp=1, pp=args.pp, num_microbatches=args.microbatches)
+        ckpt = out.parent / f"{arch}-{args.strategy}-tp{args.tp}-pp{args.pp}.ckpt"
         losses, module, trainer = train(arch, strategy, ckpt, devices)
         results[arch] = {"losses": losses, "checkpoint": str(ckpt),
                          "local_experts": [tuple(p.shape) for n, p in module.named_parameters() if "gate_up_proj" in n][:1],

@@ -19,6 +19,7 @@ from megastrategy.pipeline.forward_order import ForwardOrder, loop_state_refusal
 from megastrategy.pipeline.layer_assignment import assign_layers
 from megastrategy.pipeline.parallel_lists import refuse_parallel_lists
 from megastrategy.pipeline.placement import StagePlacement
+from megastrategy.pipeline.router_logits import refuse_router_logits, wants_router_logits
 from megastrategy.pipeline.schedule_choice import schedule_placement
 from megastrategy.pipeline.schedules import validate_schedule
 from megastrategy.pipeline.stand_in_probe import refuse_stand_in_values
@@ -58,7 +59,9 @@ class Pipeline(Component):
                 "backward itself, interleaved with the other stages, so manual_backward cannot be honoured. "
                 "Use automatic optimization with pp > 1, or pp=1 for manual optimization."
             )
-        _refuse_what_stages_cannot_split(find_hf_model(module)[1], self.pp)
+        hf = find_hf_model(module)[1]
+        _refuse_what_stages_cannot_split(hf, self.pp)
+        refuse_router_logits(hf, self.pp, self.num_microbatches, is_encoder_decoder(module))
         refuse_batch_statistics(module, self.pp, self.num_microbatches)
         if is_encoder_decoder(module):
             self._validate_seq2seq(module)
@@ -136,6 +139,7 @@ class Pipeline(Component):
             stack_calls=stack_calls,
             carried=order.carried if order is not None else (),
             block_arity=order.block_arity if order is not None else None,
+            router_logits=wants_router_logits(find_hf_model(module)[1]),
         )
         self._shared = ctx.stage.shared_layer_parameters
         shared = {id(p) for p in self._shared}
@@ -178,10 +182,4 @@ def _refuse_what_stages_cannot_split(hf: Optional[nn.Module], pp: int) -> None:
             "training, and a pipeline stage whose first or last block is skipped would take no input from the "
             f"previous stage or send none to the next. Set config.{name}=0.0 "
             f"({', '.join(sorted(drops))} are set), or use pp=1."
-        )
-    if getattr(config, "output_router_logits", False):
-        raise MegatronConfigError(
-            f"pp={pp} with {type(hf).__name__} and output_router_logits=True: its load-balancing loss is computed "
-            "after the stack from every layer's router logits, and under pp the last stage holds only its own "
-            "layers. Set config.output_router_logits=False (training without that loss), or use pp=1."
         )

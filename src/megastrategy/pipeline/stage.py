@@ -32,6 +32,7 @@ from megastrategy.pipeline.forward_order import MetaAttributes, block_outputs, m
 from megastrategy.pipeline.leading_blocks import skipped_blocks
 from megastrategy.pipeline.placement import StagePlacement
 from megastrategy.pipeline.reused_layers import ReusedLayers
+from megastrategy.pipeline.router_logits import prepend_router_logits, stacked_router_logits
 from megastrategy.pipeline.stand_in_values import mark, refuse_if_marked, stage_place
 
 __all__ = ["PipelineStage", "StageBoundary", "cut_stage", "find_layer_stack", "iter_microbatches"]
@@ -312,6 +313,7 @@ class PipelineStage:
     shared_layer_parameters: list[nn.Parameter] = field(default_factory=list)  # of blocks applied on several stages
     stack_calls: Optional[tuple[int, ...]] = None  # block of each application, when blocks are reused
     carried: tuple[tuple[int, str], ...] = ()  # (output index, argument) a block hands the next besides the hidden
+    router_logits: bool = False  # the router logits recorded so far cross each boundary too (:mod:`.router_logits`)
     placement: Optional[StagePlacement] = None  # which stage each (rank, chunk) runs; None: the ring
     # (name, module) whose calls from the user's step reach the stack or follow it (see model_calls.py)
     call_modules: list[tuple[str, nn.Module]] = field(default_factory=list)
@@ -400,7 +402,10 @@ class PipelineStage:
             return args, kwargs
         x, self._pending_input = self._pending_input, None
         extras: list = []
-        if self.carried:
+        if self.router_logits:
+            x, *extras, logits = unpack(x, 2 + len(self.carried))
+            prepend_router_logits(logits)
+        elif self.carried:
             x, *extras = unpack(x, 1 + len(self.carried))
         if args:
             args, kwargs = (x, *args[1:]), dict(kwargs)
@@ -436,9 +441,10 @@ class PipelineStage:
                 f"the blocks of {self.stack_path} return {type(output).__name__}; pipeline stages need a tensor "
                 "(or a tuple whose first element is the hidden-state tensor) to send to the next stage."
             )
-        if not self.carried:
+        if not self.carried and not self.router_logits:
             raise StageBoundary(values[0])
-        raise StageBoundary(pack([values[0]] + [values[i] for i, _ in self.carried]))
+        logits = [stacked_router_logits(values[0])] if self.router_logits else []
+        raise StageBoundary(pack([values[0]] + [values[i] for i, _ in self.carried] + logits))
 
     def _pre_hook(self, module, args, kwargs):
         if self._active_chunk is None or self._pending_input is None:
@@ -483,6 +489,7 @@ def cut_stage(
     carried: tuple[tuple[int, str], ...] = (),
     placement: Optional[StagePlacement] = None,
     block_arity: Optional[int] = None,
+    router_logits: bool = False,
 ) -> PipelineStage:
     """Rewrite ``module`` in place into this rank's stage and return the handle that drives it.
 
@@ -492,12 +499,14 @@ def cut_stage(
     ``placement``: which stage each (rank, chunk) runs (default: the ring; ZB-V's V puts the first
     and the last stage on rank 0). ``block_arity``: how many outputs a block returns as a tuple (0:
     a bare tensor), so the placeholders of skipped blocks return the same structure; ``None``
-    (unknown, no dry run): a chunk's view holds its own blocks only.
+    (unknown, no dry run): a chunk's view holds its own blocks only. ``router_logits``: carry the
+    Hugging Face router logits recorded so far across each boundary (:mod:`.router_logits`).
     """
     anatomy = anatomy or ModelAnatomy.of(module, stack_path)
     chunks = assignment[pp_rank]
     stage = PipelineStage(stack_path=stack_path, chunks=chunks, pp_rank=pp_rank, pp_size=pp_size, vp_size=vp_size,
-                          stack_calls=stack_calls, carried=tuple(carried), placement=placement)
+                          stack_calls=stack_calls, carried=tuple(carried), placement=placement,
+                          router_logits=router_logits)
     parent_path, _, stack_attr = stack_path.rpartition(".")
     stack_parent = get_submodule_path(module, parent_path) if parent_path else module
     holds_first = any(stage.is_first_virtual(c) for c in range(vp_size))

@@ -25,6 +25,7 @@ from megastrategy.anatomy import ModelAnatomy
 from megastrategy.errors import MegatronConfigError
 from megastrategy.pipeline.forward_order import ForwardOrder, dry_run_twin, dry_run_variants
 from megastrategy.pipeline.placement import StagePlacement
+from megastrategy.pipeline.router_logits import map_recorded_router_logits
 from megastrategy.pipeline.stage import no_meta_run_message
 from megastrategy.pipeline.stand_in_values import mark, refuse_if_marked, sources_of, stage_place
 
@@ -117,6 +118,7 @@ class _Probe:
     def _checker(self, where: str, starts: bool, place: str):
         def hook(block, args, kwargs):
             if starts:  # the previous stage's activation (and what it carries) replaces these
+                map_recorded_router_logits(_plain)  # carried too (a model with output_router_logits)
                 args = (_plain(args[0]), *args[1:]) if args else args
                 kwargs = {k: _plain(v) if (k in self._carried or (not args and i == 0)) else v
                           for i, (k, v) in enumerate(kwargs.items())}

@@ -62,14 +62,17 @@ def test_albert_is_split_by_applications_of_its_shared_block():
 
 
 
-def test_router_load_balancing_loss_over_all_layers_is_refused_under_pp():
+def test_router_load_balancing_loss_under_pp_needs_the_whole_batch_as_one_microbatch():
+    """Its logits are carried to the last stage (tests/pipeline/test_router_logits.py), but the loss is
+    a batch-wide statistic: per microbatch it would differ from one device's."""
     import transformers
 
     config = transformers.MixtralConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
                                         num_attention_heads=2, num_key_value_heads=1, num_local_experts=2,
                                         output_router_logits=True)
     module = transformers.MixtralForCausalLM(config)
-    with pytest.raises(MegatronConfigError, match=r"output_router_logits=True.*Set config.output_router_logits=False"):
+    with pytest.raises(MegatronConfigError, match=r"num_microbatches=2.*output_router_logits=True.*Pass num_microbatches=1"):
         Pipeline(MegatronConfig(pp=2)).validate(module, None)
+    Pipeline(MegatronConfig(pp=2, num_microbatches=1)).validate(module, None)
     module.config.output_router_logits = False
     Pipeline(MegatronConfig(pp=2)).validate(module, None)

@@ -7,7 +7,7 @@ whole (every TP rank computes the same thing, which is exact); expert parallelis
 (:mod:`megastrategy.moe.hf_experts`) splits it over ``ep``.
 
 Other layouts of routed experts (GPT-OSS: ``gate_up_proj`` [E, H, 2F] with biases, gate and up
-interleaved, a clamped activation) are called the same way: :func:`is_routed_experts` finds them,
+interleaved, a clamped activation; NemotronH: ``up_proj`` [E, F, H], no gate) are called the same way: :func:`is_routed_experts` finds them,
 and expert parallelism runs the module's own code on the rank's experts. Experts that are not
 called with the routing (Llama 4's run every expert on every token, scaled beforehand) cannot be
 split by expert: :func:`holds_unrouted_experts` finds them, to be refused under ``ep > 1``.
@@ -18,7 +18,7 @@ import inspect
 
 from torch import nn
 
-__all__ = ["FUSED_EXPERT_PARAMS", "holds_expert_weights", "holds_unrouted_experts", "is_fused_experts", "is_routed_experts"]
+__all__ = ["FUSED_EXPERT_PARAMS", "FIRST_PROJECTIONS", "holds_expert_weights", "num_experts_of", "holds_unrouted_experts", "is_fused_experts", "is_routed_experts"]
 
 FUSED_EXPERT_PARAMS = ("gate_up_proj", "down_proj")
 
@@ -36,15 +36,26 @@ def is_fused_experts(m: nn.Module) -> bool:
     return len(inspect.signature(m.forward).parameters) == 3
 
 
+#: the first projection of routed experts: gate and up fused (most), or up alone (NemotronH's ungated MLP)
+FIRST_PROJECTIONS = ("gate_up_proj", "up_proj")
+
+
 def _expert_weights(m: nn.Module) -> list[nn.Parameter]:
-    """``m``'s own parameters when it holds ``gate_up_proj`` and ``down_proj`` as 3-D tensors over
-    the same number of experts and every other one of its parameters is per expert too; else []."""
+    """``m``'s own parameters when it holds ``gate_up_proj`` (or ``up_proj``) and ``down_proj`` as
+    3-D tensors over the same number of experts and every other one of its parameters is per expert
+    too; else []."""
     own = dict(m.named_parameters(recurse=False))
-    gate_up, down = (own.get(n) for n in FUSED_EXPERT_PARAMS)
-    if gate_up is None or down is None or gate_up.dim() != 3 or down.dim() != 3 or getattr(m, "expert_parallel", False):
+    first = next((own[n] for n in FIRST_PROJECTIONS if n in own), None)
+    down = own.get("down_proj")
+    if first is None or down is None or first.dim() != 3 or down.dim() != 3 or getattr(m, "expert_parallel", False):
         return []
-    experts = gate_up.size(0)
+    experts = down.size(0)
     return list(own.values()) if all(p.dim() >= 2 and p.size(0) == experts for p in own.values()) else []
+
+
+def num_experts_of(m: nn.Module) -> int:
+    """How many experts an experts module holds (its ``down_proj``'s first dimension)."""
+    return m.down_proj.size(0)
 
 
 def holds_expert_weights(m: nn.Module) -> bool:

@@ -16,8 +16,9 @@ import pytest
 import torch
 
 from megastrategy.errors import MegatronConfigError
+from megastrategy.fused_experts import is_routed_experts
 from megastrategy.moe.hf_experts import (
-    FusedExpertsParallel, RoutedExpertsParallel, fused_experts, is_fused_experts, validate_fused_experts,
+    FusedExpertsParallel, RoutedExpertsParallel, fused_experts, is_fused_experts, plain_gating, validate_fused_experts,
 )
 from megastrategy.parallel_state import ParallelLayout
 from tests.helpers.launch import run_script
@@ -49,15 +50,20 @@ def test_a_layout_that_cannot_split_the_experts_is_refused_by_name(ep, etp, rule
     assert "model.layers.0.mlp.experts" in str(info.value)
 
 
+def _routed_tokens(hidden: int):
+    """Six tokens, each routed to two of four experts, with softmaxed weights."""
+    x = torch.randn(6, hidden, requires_grad=True)
+    index = torch.tensor([[0, 1], [2, 3], [1, 2], [3, 0], [0, 2], [1, 3]])
+    return x, index, torch.rand(6, 2).softmax(-1)
+
+
 def test_the_parallel_slice_computes_hugging_face_experts_on_one_rank():
     torch.manual_seed(0)
     experts = _mixtral().model.layers[0].mlp.experts
     for p in experts.parameters():
         torch.nn.init.normal_(p, std=0.3)
     ours = FusedExpertsParallel(experts, ep_group=None)
-    x = torch.randn(6, 16, requires_grad=True)
-    index = torch.tensor([[0, 1], [2, 3], [1, 2], [3, 0], [0, 2], [1, 3]])
-    weights = torch.rand(6, 2).softmax(-1)
+    x, index, weights = _routed_tokens(16)
     expected, got = experts(x, index, weights), ours(x, index, weights)
     torch.testing.assert_close(got, expected)
     grad_ref = torch.autograd.grad(expected.square().sum(), [x, experts.gate_up_proj, experts.down_proj])
@@ -86,6 +92,50 @@ def test_gpt_oss_experts_in_their_own_layout_run_their_own_code_on_the_ranks_sli
     grad_ours = torch.autograd.grad(got.square().sum(), [x, *ours.parameters()])
     for a, b in zip(grad_ours, grad_ref):
         torch.testing.assert_close(a, b)
+
+
+class _OwnGateExperts(torch.nn.Module):
+    """Fused experts with a gate of their own (``_apply_gate``: a clamped SwiGLU, as DeepSeek-V4,
+    Step-3.7 and HunYuan-V4 have; ``up=False``: NemotronH's ungated ``up_proj`` with relu²)."""
+
+    def __init__(self, gated: bool = True):
+        super().__init__()
+        first = 2 * 8 if gated else 8
+        setattr(self, "gate_up_proj" if gated else "up_proj", torch.nn.Parameter(torch.randn(4, first, 16) * 0.5))
+        self.down_proj = torch.nn.Parameter(torch.randn(4, 16, 8) * 0.5)
+        self.gated, self.limit, self.num_experts = gated, 0.3, 4
+        self.act_fn = torch.nn.SiLU()
+
+    def _apply_gate(self, gate_up):
+        if not self.gated:
+            return torch.relu(gate_up).square()
+        gate, up = gate_up.chunk(2, dim=-1)
+        return self.act_fn(gate.clamp(max=self.limit)) * up.clamp(-self.limit, self.limit)
+
+    def forward(self, hidden_states, top_k_index, top_k_weights):
+        out = torch.zeros_like(hidden_states)
+        first = self.gate_up_proj if self.gated else self.up_proj
+        for e in range(self.num_experts):
+            token, slot = torch.where(top_k_index == e)
+            h = self._apply_gate(torch.nn.functional.linear(hidden_states[token], first[e]))
+            out = out.index_add(0, token, torch.nn.functional.linear(h, self.down_proj[e]) * top_k_weights[token, slot, None])
+        return out
+
+
+@pytest.mark.parametrize("gated", [True, False], ids=["clamped-gate", "ungated-up-proj"])
+def test_experts_with_a_gate_of_their_own_run_their_own_code_not_a_plain_swiglu(gated):
+    """The sweep found HunYuan-V4 and MiniMax-M3 crashing (no act_fn), Inkling-2 crashing (a two-input gate)
+    and, worse, clamped SwiGLUs that FusedExpertsParallel would compute without their clamp."""
+    torch.manual_seed(0)
+    experts = _OwnGateExperts(gated)
+    assert [n for n, _ in fused_experts(experts)] == [""] and not plain_gating(experts)
+    assert is_fused_experts(experts) if gated else is_routed_experts(experts)
+    ours = RoutedExpertsParallel(experts, ep_group=None)
+    x, index, weights = _routed_tokens(16)
+    expected, got = experts(x, index, weights), ours(x, index, weights)
+    torch.testing.assert_close(got, expected)
+    if gated:  # what the plain SwiGLU path would have computed: silently not the model
+        assert not torch.allclose(FusedExpertsParallel(experts, ep_group=None)(x, index, weights), expected)
 
 
 def test_experts_that_run_on_every_token_are_refused_under_ep_not_left_whole():

@@ -25,6 +25,10 @@ from tests.helpers.hf_generic import generic_tiny_config  # noqa: E402
 _EXPERT_COUNTS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
 _TOP_K = ("num_experts_per_tok", "moe_k", "top_k", "moe_topk", "num_experts_per_token")
 AUX_COEF = 0.1
+#: fields that keep the first layers dense: capped at 1, so that layer 1 of the two is routed
+_DENSE_FIRST = ("first_k_dense_replace", "num_dense_layers", "moe_layer_start_index")
+#: sizes some config classes leave None by default (then their model cannot be built)
+_UNSET = {"n_shared_experts": 1, "head_dim": 8}
 
 
 def _configs(config):
@@ -38,7 +42,15 @@ def _configs(config):
 def expert_counts(config) -> dict:
     """Every expert-count field above 1 in ``config`` or its sub-configs (empty: a dense model)."""
     return {f"{c.model_type}.{k}": v for c in _configs(config) for k in _EXPERT_COUNTS
-            if isinstance(v := getattr(c, k, None), int) and not isinstance(v, bool) and v > 1}
+            if isinstance(v := _read(c, k), int) and not isinstance(v, bool) and v > 1}
+
+
+def _read(config, name: str):
+    """``config.name``, or None where reading it raises (a per-layer attribute of a heterogeneous config)."""
+    try:
+        return getattr(config, name, None)
+    except Exception:  # noqa: BLE001 - transformers' AmbiguousGlobalPerLayerAttributeError and the like
+        return None
 
 
 def experts_tiny_config(model_type: str):
@@ -51,11 +63,35 @@ def experts_tiny_config(model_type: str):
         for k in _TOP_K:
             if k in vars(c) and getattr(c, k) is None:
                 setattr(c, k, 2)
+        _route_every_layer(c)
         if "output_router_logits" in vars(c):
             c.output_router_logits = True
         if isinstance(getattr(c, "router_aux_loss_coef", None), float):
             c.router_aux_loss_coef = AUX_COEF
     return config
+
+
+def _route_every_layer(c) -> None:
+    """Routed layers among the two (the defaults of DeepSeek-V3, Flint, LFM2-MoE make both dense),
+    the sizes left unset filled in, and no KV cache in training (a hybrid whose first layer is not
+    attention cannot report its cache's length)."""
+    for k in _DENSE_FIRST:
+        if isinstance(getattr(c, k, None), int) and getattr(c, k) > 1:
+            setattr(c, k, 1)
+    if isinstance(getattr(c, "mlp_only_layers", None), list):
+        c.mlp_only_layers = []
+    for k, v in _UNSET.items():
+        if k in vars(c) and getattr(c, k) is None:
+            setattr(c, k, v)
+    if c.model_type == "lfm2_moe" and c.layer_types is None:
+        c.layer_types = ["conv", "full_attention"]
+    if c.model_type == "dbrx":  # its attention sub-config has no model_type: not shrunk by the generic rules
+        c.attn_config.rope_theta = getattr(c.attn_config, "rope_theta", None) or 10000.0
+        c.attn_config.clip_qkv = c.attn_config.clip_qkv or 8.0
+    if getattr(c, "mamba_n_heads", None) and getattr(c, "mamba_d_head", None):  # GraniteMoE-Hybrid's Mamba
+        c.mamba_n_heads, c.mamba_d_head, c.mamba_chunk_size = 4, c.mamba_expand * c.hidden_size // 4, 8
+    if "use_cache" in vars(c):
+        c.use_cache = False
 
 
 def use_expert_configs() -> None:

@@ -38,21 +38,29 @@ LAYOUTS = {"ddp2": ("ddp", 2, ["--find-unused"]), "ep2": ("megatron", 2, ["--ep"
            "tp2-ep2": ("megatron", 4, ["--tp", "2", "--ep", "2"])}
 
 
-def moe_types() -> dict[str, dict]:
-    """Causal LM model types whose tiny config has experts -> their expert counts (or why no config)."""
+def moe_types() -> tuple[dict[str, dict], dict[str, str]]:
+    """Causal LM model types with experts -> their tiny config's expert counts; and those whose
+    defaults have experts but no tiny config could be built from them -> why."""
+    from transformers import AutoConfig
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
-    found = {}
+    found, failed = {}, {}
     for t in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
-        try:
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            try:
+                defaults = expert_counts(AutoConfig.for_model(t))
+            except Exception:  # noqa: BLE001 - no config from defaults at all: not a model we can build
+                continue
+            try:
                 counts = expert_counts(experts_tiny_config(t))
-        except Exception:  # noqa: BLE001 - no config from defaults: not an MoE model we can build
-            continue
+            except Exception as e:  # noqa: BLE001
+                if defaults:
+                    failed[t] = f"tiny config: {type(e).__name__}: {e}".splitlines()[0][:200]
+                continue
         if counts:
             found[t] = counts
-    return found
+    return found, failed
 
 
 def write_table(path: Path, types: dict, skipped: dict, results: dict) -> None:
@@ -95,14 +103,14 @@ def main() -> None:
     hf_sweep.MATRIX = Path(__file__).resolve().parent / "hf_matrix_experts.py"
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
-    types = {t: {} for t in args.only.split(",")} if args.only else moe_types()
+    types, no_config = ({t: {} for t in args.only.split(",")}, {}) if args.only else moe_types()
     probe_file = work / "probe.json"
     probed = json.loads(probe_file.read_text()) if probe_file.exists() else {}
     for t in types:
         if t not in probed:
             probed[t] = hf_sweep.probe(t)
             probe_file.write_text(json.dumps(probed, indent=1))
-    skipped = {t: probed[t] for t in types if probed[t]}
+    skipped = {**no_config, **{t: probed[t] for t in types if probed[t]}}
     models = [f"{GENERIC}{t}:lm" for t in types if not probed[t]]
     print(f"{len(models)} MoE models to sweep, {len(skipped)} skipped", flush=True)
     results = {}

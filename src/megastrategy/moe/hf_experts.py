@@ -8,8 +8,9 @@ parameter names, holding this rank's ``E/ep`` experts (dim 0 split over the expe
 group), and this project's all-to-all dispatcher moving each routed token to the rank of its
 expert and back. The router, top-k, the weights and the auxiliary loss stay the Hugging Face
 model's own code, so training equals one device's. Routed experts in another layout (GPT-OSS's
-transposed, biased, interleaved ones) get :class:`RoutedExpertsParallel`: the same dispatch, and
-the module's own forward on the rank's experts. Experts that are not routed per token (Llama 4)
+transposed, biased, interleaved ones) or with a gate of their own (``_apply_gate``: clamped or
+soft-capped SwiGLUs) get :class:`RoutedExpertsParallel`: the same dispatch, and the module's own
+forward on the rank's experts. Experts that are not routed per token (Llama 4)
 are refused under ``ep > 1`` rather than left whole on every rank.
 """
 from __future__ import annotations
@@ -22,14 +23,17 @@ from torch import Tensor, nn
 from torch.nn import functional as F
 
 from megastrategy.errors import MegatronConfigError
-from megastrategy.fused_experts import FUSED_EXPERT_PARAMS, holds_unrouted_experts, is_fused_experts, is_routed_experts
+from megastrategy.fused_experts import (
+    FUSED_EXPERT_PARAMS, holds_unrouted_experts, is_fused_experts, is_routed_experts, num_experts_of,
+)
 from megastrategy.moe.dispatcher import (
     AllToAllDispatcher, narrow_rows, gather_tokens, group_rank, group_world_size, split_tokens,
 )
 from megastrategy.moe.expert_attr import EXPERT_ATTR
 from megastrategy.moe.experts import ExpertParamInfo
 
-__all__ = ["FusedExpertsParallel", "RoutedExpertsParallel", "fused_experts", "is_fused_experts", "shard_fused_experts", "validate_fused_experts"]
+__all__ = ["FusedExpertsParallel", "RoutedExpertsParallel", "fused_experts", "is_fused_experts", "plain_gating",
+           "shard_fused_experts", "validate_fused_experts"]
 
 def fused_experts(module: nn.Module) -> Iterator[tuple[str, nn.Module]]:
     """Every experts module expert parallelism splits: the fused convention and other routed layouts."""
@@ -50,7 +54,7 @@ def validate_fused_experts(module: nn.Module, layout) -> None:
                 "every expert on them, so they cannot be split by expert and would stay whole on every rank. Use ep=1 "
                 "(pipeline and data parallelism work for this model), or build its MoE from megastrategy.moe.MoELayer.")
     for name, m in fused_experts(module):
-        experts = m.gate_up_proj.size(0)
+        experts = num_experts_of(m)
         if experts % layout.ep:
             raise MegatronConfigError(
                 f"ep={layout.ep}: the experts {name!r} hold {experts} experts, not divisible by ep (each expert-parallel "
@@ -117,7 +121,7 @@ class RoutedExpertsParallel(FusedExpertsParallel):
     def __init__(self, original: nn.Module, *, ep_group, tp_group=None) -> None:
         nn.Module.__init__(self)
         ep, rank = group_world_size(ep_group), group_rank(ep_group)
-        self.num_experts = original.gate_up_proj.size(0)
+        self.num_experts = num_experts_of(original)
         self.num_local_experts = n = self.num_experts // ep
         local = {}
         for name, full in original.named_parameters(recurse=False):
@@ -140,6 +144,14 @@ class RoutedExpertsParallel(FusedExpertsParallel):
         return out + sum(p.reshape(-1)[0] for p in self.parameters()) * 0.0
 
 
+def plain_gating(m: nn.Module) -> bool:
+    """Whether fused experts gate as :class:`FusedExpertsParallel` computes, ``act_fn(gate) * up``.
+    Experts with a gate of their own (``_apply_gate``: clamped SwiGLU in DeepSeek-V4, Step-3.7, HunYuan-V4,
+    MiniMax-M3; a two-input soft-capped one in Inkling-2) or without ``act_fn`` run their own code
+    on the rank's experts instead (:class:`RoutedExpertsParallel`), rather than a different gate."""
+    return callable(getattr(m, "act_fn", None)) and not hasattr(m, "_apply_gate")
+
+
 def shard_fused_experts(module: nn.Module, parallel_state) -> int:
     """Replace every fused-experts module by its expert-parallel slice (``ep > 1``); returns how many."""
     if parallel_state.ep_size == 1:
@@ -148,6 +160,6 @@ def shard_fused_experts(module: nn.Module, parallel_state) -> int:
     for name, m in found:
         parent_name, _, attr = name.rpartition(".")
         parent = module.get_submodule(parent_name) if parent_name else module
-        kind = FusedExpertsParallel if is_fused_experts(m) else RoutedExpertsParallel
+        kind = FusedExpertsParallel if is_fused_experts(m) and plain_gating(m) else RoutedExpertsParallel
         setattr(parent, attr, kind(m, ep_group=parallel_state.ep_group, tp_group=parallel_state.tp_group))
     return len(found)

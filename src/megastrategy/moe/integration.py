@@ -41,8 +41,9 @@ from megastrategy.ddp.grad_clip import global_grad_norm
 from megastrategy.divisors import divisors
 from megastrategy.errors import MegatronConfigError
 from megastrategy.moe.experts import get_expert_info, is_expert_parameter
-from megastrategy.moe.hf_experts import shard_fused_experts, validate_fused_experts
+from megastrategy.moe.hf_experts import fused_experts, shard_fused_experts, validate_fused_experts
 from megastrategy.moe.layer import MoELayer
+from megastrategy.moe.unsplit_experts import refuse_unsplit_experts
 
 __all__ = [
     "moe_layers",
@@ -73,7 +74,9 @@ def validate_moe(module: nn.Module, layout) -> None:
     """
     validate_fused_experts(module, layout)
     layers = [(n, m) for n, m in module.named_modules() if isinstance(m, MoELayer)]
-    # ep/etp without any MoE layer are harmless (the expert grid is simply unused)
+    # ep/etp without any MoE layer are harmless (the expert grid is simply unused), unless the
+    # model declares experts we would leave whole
+    refuse_unsplit_experts(module, layout.ep, bool(layers) or next(fused_experts(module), None) is not None)
     for name, m in layers:
         if m.num_experts % layout.ep:
             raise MegatronConfigError(

@@ -45,8 +45,10 @@ def _expert_weights(m: nn.Module) -> list[nn.Parameter]:
     3-D tensors over the same number of experts and every other one of its parameters is per expert
     too; else []."""
     own = dict(m.named_parameters(recurse=False))
-    first = next((own[n] for n in FIRST_PROJECTIONS if n in own), None)
-    down = own.get("down_proj")
+    name = next((n for n in FIRST_PROJECTIONS if n in own), None)
+    if name == "up_proj" and len(inspect.signature(m.forward).parameters) != 3:
+        return []  # stacked shared experts run on every token (Inkling's): dense, not routed experts
+    first, down = own.get(name), own.get("down_proj")
     if first is None or down is None or first.dim() != 3 or down.dim() != 3 or getattr(m, "expert_parallel", False):
         return []
     experts = down.size(0)

@@ -77,7 +77,7 @@ def write_table(path: Path, types: dict, skipped: dict, results: dict) -> None:
         for name, got in layouts.items():
             kind, detail = hf_sweep.classify(got.get(item, {"hang": "not run"}), ref[item])
             if kind == "match":  # rank 0 holds fewer parameters than DDP's copy: the experts were split
-                detail += f"; rank 0 holds {got[item]['numel'] / ref[item]['numel']:.2f} of the parameters"
+                detail += f"; rank 0 holds {got[item]['numel'] / ref[item]['numel']:.3f} of the parameters"
             counts[name][kind] = counts[name].get(kind, 0) + 1
             cells.append(f"**{kind}** {detail}".replace("|", "/"))
         rows.append(f"| {t} | " + " | ".join(cells) + " |")

@@ -1,0 +1,50 @@
+"""A few models of the expert sweep (tests/scripts/hf_sweep_experts.py, table in the notes) in CI:
+the ones it made work and one of each kind, in ONE launch per side (ep2 against DDP on the same
+two processes, router aux loss on, tiny configs of tests/scripts/hf_matrix_experts.py).
+
+- hy_v4: experts with a clamped gate of their own (``_apply_gate``, no ``act_fn``): crashed at ep2;
+- nemotron_h: ungated ``up_proj``/``down_proj`` experts beside Mamba layers: trained whole on every rank;
+- qwen2_moe: a gated shared expert beside the routed ones;
+- jamba: Mamba and attention layers, experts every other layer;
+- dbrx: experts flattened into 2-D weights, which nothing splits: refused in setup.
+"""
+from __future__ import annotations
+
+from functools import lru_cache
+from pathlib import Path
+
+import pytest
+
+from tests.helpers.launch import run_script
+
+pytest.importorskip("transformers")
+SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "hf_matrix_experts.py"
+SPLIT = ("hy_v4", "nemotron_h", "qwen2_moe", "jamba")
+REFUSED = ("dbrx",)
+MODELS = ",".join(f"generic.{m}:lm" for m in SPLIT + REFUSED)
+
+
+@lru_cache(maxsize=None)
+def _run(strategy: str, *extra: str) -> dict:
+    return run_script(SCRIPT, 2, ["--strategy", strategy, "--models", MODELS, *extra], timeout=600)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", SPLIT)
+def test_the_sweeps_models_train_at_ep2_as_under_ddp_with_their_experts_split(arch):
+    item = f"generic.{arch}:lm"
+    ours, ref = _run("megatron", "--ep", "2")[item], _run("ddp", "--find-unused")[item]
+    assert "loss" in ours, ours
+    assert ours["numel"] < ref["numel"], "rank 0 holds every expert: nothing was split"
+    assert len(ours["loss"]) == len(ref["loss"]) > 0
+    pairs = list(zip(ours["loss"] + [ours["val_loss"]], ref["loss"] + [ref["val_loss"]]))
+    diff = max(abs(a - b) for a, b in pairs)
+    assert diff < 2e-4, f"{arch}: losses differ by {diff:.2e}: {pairs}"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", REFUSED)
+def test_experts_nothing_splits_are_refused_in_setup(arch):
+    got = _run("megatron", "--ep", "2")[f"generic.{arch}:lm"]
+    assert "error" in got and got["batches_started"] == 0, got
+    assert "none of its modules holds them in a layout expert parallelism splits" in got["error"]

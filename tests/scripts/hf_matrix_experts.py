@@ -7,10 +7,12 @@ Why a wrapper and not an option of hf_matrix.py: the matrix is shared with the d
 configs must stay the config class defaults; here the point is the routed path and its aux loss,
 which the defaults leave off (``output_router_logits=False`` everywhere).
 
-    (launched by tests/scripts/hf_sweep_experts.py with hf_matrix.py's arguments)
+    (launched by tests/scripts/hf_sweep_experts.py with hf_matrix.py's arguments, and
+    ``--microbatches N`` for MegatronStrategy's num_microbatches)
 """
 from __future__ import annotations
 
+import functools
 import os
 import sys
 from pathlib import Path
@@ -94,6 +96,20 @@ def _route_every_layer(c) -> None:
         c.use_cache = False
 
 
+def pop_microbatches(argv: list[str]) -> None:
+    """Take ``--microbatches N`` out of ``argv`` (hf_matrix.py has no such option) and make every
+    ``MegatronStrategy`` the matrix builds use ``num_microbatches=N`` (pp with the router's aux loss
+    needs one: the loss is a batch-wide statistic)."""
+    if "--microbatches" not in argv:
+        return
+    i = argv.index("--microbatches")
+    count = int(argv[i + 1])
+    del argv[i:i + 2]
+    import megastrategy
+
+    megastrategy.MegatronStrategy = functools.partial(megastrategy.MegatronStrategy, num_microbatches=count)
+
+
 def use_expert_configs() -> None:
     """Make :func:`tests.helpers.hf_zoo.tiny_config` build ``generic.*`` models from :func:`experts_tiny_config`."""
     hf_zoo.generic_tiny_config = experts_tiny_config
@@ -101,6 +117,7 @@ def use_expert_configs() -> None:
 
 if __name__ == "__main__":
     use_expert_configs()
+    pop_microbatches(sys.argv)
     from tests.scripts import hf_matrix
     from tests.helpers.script_args import leave_without_static_destructors
 

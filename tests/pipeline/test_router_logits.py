@@ -4,8 +4,9 @@ are carried to the last one (src/megastrategy/pipeline/router_logits.py).
 Unit level: what is refused (several microbatches: a batch-wide statistic; an encoder-decoder), and
 the carry itself (stacked in layer order, put in front of the receiving forward's record,
 differentiable). With real processes: Mixtral and Qwen3-MoE with ``output_router_logits=True``
-train at pp2 exactly as on one device, and Mixtral at pp2·ep2 exactly as DDP on two processes
-(the same runs without the carry differ by about 1e-3: the aux loss would miss stage 0's layers).
+train at pp2 exactly as on one device, Mixtral at pp3 (a middle stage passes stage 0's logits on
+with its own) too, and at pp2·ep2 exactly as DDP on two processes (the same runs without the
+carry differ by about 1e-3: the aux loss would miss stage 0's layers).
 """
 from __future__ import annotations
 
@@ -98,16 +99,23 @@ def _run(strategy: str, nprocs: int, *extra: str) -> dict:
     return run_script(SCRIPT, nprocs, ["--strategy", strategy, *extra], timeout=600)
 
 
+#: layout -> (processes, arguments, models, DDP processes: the same dense data parallelism)
+LAYOUTS = {
+    "pp2": (2, ("--pp", "2"), "mixtral,qwen3_moe", 1),
+    # a middle stage: it puts stage 0's logits in front of its own and sends them all on
+    "pp3": (3, ("--pp", "3", "--layers", "3"), "mixtral", 1),
+    "pp2-ep2": (4, ("--pp", "2", "--ep", "2"), "mixtral", 2),
+}
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("layout", ["pp2", "pp2-ep2"])
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
 def test_the_load_balancing_loss_under_pp_equals_one_devices(layout):
-    models = "mixtral,qwen3_moe" if layout == "pp2" else "mixtral"
-    if layout == "pp2":
-        ours = _run("megatron", 2, "--pp", "2", "--microbatches", "1", "--models", models)
-        ref = _run("ddp", 1, "--models", models)
-    else:  # dense data parallelism 2 on both sides
-        ours = _run("megatron", 4, "--pp", "2", "--ep", "2", "--microbatches", "1", "--models", models)
-        ref = _run("ddp", 2, "--models", models)
+    nprocs, extra, models, ddp = LAYOUTS[layout]
+    layers = extra[extra.index("--layers"):] if "--layers" in extra else ()
+    ours = _run("megatron", nprocs, *extra, "--microbatches", "1", "--models", models)
+    ref = _run("ddp", ddp, "--models", models, *layers)
+    if "--ep" in extra:
         assert ours["mixtral"]["local_experts"][0][0] == 2, "the experts were not split"
     for arch in models.split(","):
         assert len(ours[arch]["losses"]) == len(ref[arch]["losses"]) == 4

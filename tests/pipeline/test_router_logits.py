@@ -18,7 +18,7 @@ import torch
 
 from megastrategy.errors import MegatronConfigError
 from megastrategy.pipeline.router_logits import (
-    prepend_router_logits, records_router_logits, refuse_router_logits, stacked_router_logits,
+    carry_for, prepend_router_logits, records_router_logits, refuse_router_logits, stacked_router_logits,
 )
 from tests.helpers.launch import run_script
 
@@ -55,6 +55,19 @@ def test_without_output_router_logits_nothing_is_refused():
     module = _mixtral()
     module.config.output_router_logits = False
     refuse_router_logits(module, 2, 8, encoder_decoder=True)
+
+
+def test_logits_asked_for_in_the_call_with_several_microbatches_are_refused_when_they_arrive():
+    """The config says no (setup allowed several microbatches) but the forward passes
+    output_router_logits=True: the logits are carried anyway, and the next stage refuses them."""
+    module = _mixtral()
+    assert carry_for(torch.nn.Linear(2, 2), 2, 1) is None
+    assert carry_for(module, 2, 1).refusal is None
+    carry = carry_for(module, 2, 4)
+    carry.receive(torch.zeros(0))  # a stage of dense layers sent none, or none was asked for
+    with pytest.raises(MegatronConfigError, match=r"num_microbatches=4.*called with output_router_logits=True.*"
+                                                  r"Pass num_microbatches=1"):
+        carry.receive(torch.zeros(2, 6, 4))
 
 
 def _recording(record: list):
@@ -105,6 +118,8 @@ LAYOUTS = {
     # a middle stage: it puts stage 0's logits in front of its own and sends them all on
     "pp3": (3, ("--pp", "3", "--layers", "3"), "mixtral", 1),
     "pp2-ep2": (4, ("--pp", "2", "--ep", "2"), "mixtral", 2),
+    # the config says no, the step's call says output_router_logits=True: carried all the same
+    "pp2-call": (2, ("--pp", "2", "--call-router-logits"), "mixtral", 1),
 }
 
 
@@ -112,9 +127,9 @@ LAYOUTS = {
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
 def test_the_load_balancing_loss_under_pp_equals_one_devices(layout):
     nprocs, extra, models, ddp = LAYOUTS[layout]
-    layers = extra[extra.index("--layers"):] if "--layers" in extra else ()
+    same = [a for a in ("--layers", "3", "--call-router-logits") if a in extra]  # the model and step DDP runs too
     ours = _run("megatron", nprocs, *extra, "--microbatches", "1", "--models", models)
-    ref = _run("ddp", ddp, "--models", models, *layers)
+    ref = _run("ddp", ddp, "--models", models, *same)
     if "--ep" in extra:
         assert ours["mixtral"]["local_experts"][0][0] == 2, "the experts were not split"
     for arch in models.split(","):

@@ -44,16 +44,19 @@ MODELS = {
 class CausalLM(L.LightningModule):
     """An ordinary module: the Hugging Face model computes its loss (and the router's aux loss) from ``labels``."""
 
-    def __init__(self, arch: str, layers: int = 2):
+    def __init__(self, arch: str, layers: int = 2, call_router_logits: bool = False):
         super().__init__()
         import transformers
 
         name, extra = MODELS[arch]
         config = getattr(transformers, name)(**{**_SMALL, **extra, "num_hidden_layers": layers})
+        config.output_router_logits = not call_router_logits
         self.model = transformers.AutoModelForCausalLM.from_config(config)
+        self.call_router_logits = call_router_logits
 
     def training_step(self, batch, batch_idx):
-        loss = self.model(input_ids=batch, labels=batch).loss
+        asked = {"output_router_logits": True} if self.call_router_logits else {}
+        loss = self.model(input_ids=batch, labels=batch, **asked).loss
         self.log("train_loss", loss)
         return loss
 
@@ -74,9 +77,9 @@ class LossRecorder(L.Callback):
         self.losses.append(float(outputs["loss"]))
 
 
-def train(arch: str, strategy, ckpt: Path, devices: int, layers: int = 2) -> tuple[list[float], L.LightningModule, L.Trainer]:
+def train(arch: str, strategy, ckpt: Path, devices: int, args) -> tuple[list[float], L.LightningModule, L.Trainer]:
     L.seed_everything(0)
-    module, recorder = CausalLM(arch, layers), LossRecorder()
+    module, recorder = CausalLM(arch, args.layers, args.call_router_logits), LossRecorder()
     trainer = L.Trainer(accelerator="cpu", devices=devices, strategy=strategy, max_steps=4,
                         logger=False, enable_checkpointing=False, enable_progress_bar=False,
                         enable_model_summary=False, callbacks=[recorder])
@@ -91,6 +94,8 @@ def main() -> None:
     p.add_argument("--models", default=",".join(MODELS), help="comma-separated keys of MODELS")
     p.add_argument("--microbatches", type=int, default=None, help="num_microbatches under pp > 1")
     p.add_argument("--layers", type=int, default=2, help="num_hidden_layers (pp3 needs 3: a middle stage)")
+    p.add_argument("--call-router-logits", action="store_true",
+                   help="config.output_router_logits=False, the step passes output_router_logits=True itself")
     args = p.parse_args()
     out = Path(args.out)
     devices, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])  # Lightning's teardown removes them
@@ -103,7 +108,7 @@ def main() -> None:
 
             strategy = MegatronStrategy(tp=args.tp, ep=args.ep, etp=1, pp=args.pp, num_microbatches=args.microbatches)
         ckpt = out.parent / f"{arch}-{args.strategy}-tp{args.tp}-pp{args.pp}.ckpt"
-        losses, module, trainer = train(arch, strategy, ckpt, devices, args.layers)
+        losses, module, trainer = train(arch, strategy, ckpt, devices, args)
         results[arch] = {"losses": losses, "checkpoint": str(ckpt),
                          "local_experts": [tuple(p.shape) for n, p in module.named_parameters() if "gate_up_proj" in n][:1],
                          "q_proj": [tuple(p.shape) for n, p in module.named_parameters() if "q_proj.weight" in n][:1]}

@@ -19,7 +19,7 @@ from megastrategy.pipeline.forward_order import ForwardOrder, loop_state_refusal
 from megastrategy.pipeline.layer_assignment import assign_layers
 from megastrategy.pipeline.parallel_lists import refuse_parallel_lists
 from megastrategy.pipeline.placement import StagePlacement
-from megastrategy.pipeline.router_logits import refuse_router_logits, wants_router_logits
+from megastrategy.pipeline.router_logits import carry_for, refuse_router_logits
 from megastrategy.pipeline.schedule_choice import schedule_placement
 from megastrategy.pipeline.schedules import validate_schedule
 from megastrategy.pipeline.stand_in_probe import refuse_stand_in_values
@@ -139,7 +139,7 @@ class Pipeline(Component):
             stack_calls=stack_calls,
             carried=order.carried if order is not None else (),
             block_arity=order.block_arity if order is not None else None,
-            router_logits=wants_router_logits(find_hf_model(module)[1]),
+            router_logits=carry_for(find_hf_model(module)[1], self.pp, self.num_microbatches),
         )
         self._shared = ctx.stage.shared_layer_parameters
         shared = {id(p) for p in self._shared}

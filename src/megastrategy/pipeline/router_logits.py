@@ -20,6 +20,7 @@ microbatch's loss is not the batch's and their mean differs from one device. Tha
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -27,8 +28,8 @@ from torch import nn
 
 from megastrategy.errors import MegatronConfigError
 
-__all__ = ["records_router_logits", "recorded_router_logits", "refuse_router_logits", "stacked_router_logits",
-           "prepend_router_logits", "wants_router_logits", "map_recorded_router_logits"]
+__all__ = ["RouterLogitsCarry", "carry_for", "records_router_logits", "recorded_router_logits", "refuse_router_logits",
+           "stacked_router_logits", "prepend_router_logits", "wants_router_logits", "map_recorded_router_logits"]
 
 KEY = "router_logits"
 
@@ -69,12 +70,45 @@ def refuse_router_logits(hf: Optional[nn.Module], pp: int, num_microbatches: int
             f"earlier stages are carried to it only for decoder-only models that record them with transformers 5's "
             f"output hooks, not for {how}. {keep_off}")
     if num_microbatches > 1:
-        raise MegatronConfigError(
-            f"pp={pp} with num_microbatches={num_microbatches}, {name} and output_router_logits=True: its "
-            "load-balancing loss multiplies two statistics of the whole batch (the share of tokens each expert gets "
-            "and its mean router probability), so computed per microbatch and averaged it differs from one device's, "
-            f"silently. Pass num_microbatches=1 (each microbatch is the whole batch; the logits of every stage are "
-            f"carried to the last), or {keep_off[0].lower()}{keep_off[1:]}")
+        raise MegatronConfigError(_microbatches_message(
+            f"pp={pp} with num_microbatches={num_microbatches}, {name} and output_router_logits=True",
+            f"{keep_off[0].lower()}{keep_off[1:]}"))
+
+
+def _microbatches_message(what: str, otherwise: str) -> str:
+    return (f"{what}: its load-balancing loss multiplies two statistics of the whole batch (the share of tokens each "
+            "expert gets and its mean router probability), so computed per microbatch and averaged it differs from "
+            "one device's, silently. Pass num_microbatches=1 (each microbatch is the whole batch; the logits of every "
+            f"stage are carried to the last), or {otherwise}")
+
+
+@dataclass
+class RouterLogitsCarry:
+    """What the stages of a model that records router logits do at each boundary: send those
+    recorded so far, put those received in front. Carried whenever the model can record them, not
+    only when its config asks: a forward may pass ``output_router_logits=True`` itself."""
+
+    #: raised when logits arrive although setup allowed none (several microbatches: the config said no)
+    refusal: Optional[str] = None
+
+    def send(self, like: torch.Tensor) -> torch.Tensor:
+        return stacked_router_logits(like)
+
+    def receive(self, received: torch.Tensor) -> None:
+        if received.numel() and self.refusal is not None:
+            raise MegatronConfigError(self.refusal)
+        prepend_router_logits(received)
+
+
+def carry_for(hf: Optional[nn.Module], pp: int, num_microbatches: int) -> Optional[RouterLogitsCarry]:
+    """The carry for ``hf``'s stages (``None``: a model that records no router logits)."""
+    if not records_router_logits(hf):
+        return None
+    if num_microbatches == 1:
+        return RouterLogitsCarry()
+    return RouterLogitsCarry(_microbatches_message(
+        f"pp={pp} with num_microbatches={num_microbatches} and {type(hf).__name__}, whose forward was called with "
+        "output_router_logits=True", "call it without (config.output_router_logits is False), or use pp=1."))
 
 
 def recorded_router_logits() -> Optional[list]:

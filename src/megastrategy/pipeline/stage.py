@@ -32,7 +32,7 @@ from megastrategy.pipeline.forward_order import MetaAttributes, block_outputs, m
 from megastrategy.pipeline.leading_blocks import skipped_blocks
 from megastrategy.pipeline.placement import StagePlacement
 from megastrategy.pipeline.reused_layers import ReusedLayers
-from megastrategy.pipeline.router_logits import prepend_router_logits, stacked_router_logits
+from megastrategy.pipeline.router_logits import RouterLogitsCarry
 from megastrategy.pipeline.stand_in_values import mark, refuse_if_marked, stage_place
 
 __all__ = ["PipelineStage", "StageBoundary", "cut_stage", "find_layer_stack", "iter_microbatches"]
@@ -313,7 +313,7 @@ class PipelineStage:
     shared_layer_parameters: list[nn.Parameter] = field(default_factory=list)  # of blocks applied on several stages
     stack_calls: Optional[tuple[int, ...]] = None  # block of each application, when blocks are reused
     carried: tuple[tuple[int, str], ...] = ()  # (output index, argument) a block hands the next besides the hidden
-    router_logits: bool = False  # the router logits recorded so far cross each boundary too (:mod:`.router_logits`)
+    router_logits: Optional[RouterLogitsCarry] = None  # the router logits recorded so far cross each boundary too
     placement: Optional[StagePlacement] = None  # which stage each (rank, chunk) runs; None: the ring
     # (name, module) whose calls from the user's step reach the stack or follow it (see model_calls.py)
     call_modules: list[tuple[str, nn.Module]] = field(default_factory=list)
@@ -402,9 +402,9 @@ class PipelineStage:
             return args, kwargs
         x, self._pending_input = self._pending_input, None
         extras: list = []
-        if self.router_logits:
+        if self.router_logits is not None:
             x, *extras, logits = unpack(x, 2 + len(self.carried))
-            prepend_router_logits(logits)
+            self.router_logits.receive(logits)
         elif self.carried:
             x, *extras = unpack(x, 1 + len(self.carried))
         if args:
@@ -441,9 +441,9 @@ class PipelineStage:
                 f"the blocks of {self.stack_path} return {type(output).__name__}; pipeline stages need a tensor "
                 "(or a tuple whose first element is the hidden-state tensor) to send to the next stage."
             )
-        if not self.carried and not self.router_logits:
+        if not self.carried and self.router_logits is None:
             raise StageBoundary(values[0])
-        logits = [stacked_router_logits(values[0])] if self.router_logits else []
+        logits = [self.router_logits.send(values[0])] if self.router_logits is not None else []
         raise StageBoundary(pack([values[0]] + [values[i] for i, _ in self.carried] + logits))
 
     def _pre_hook(self, module, args, kwargs):
@@ -489,7 +489,7 @@ def cut_stage(
     carried: tuple[tuple[int, str], ...] = (),
     placement: Optional[StagePlacement] = None,
     block_arity: Optional[int] = None,
-    router_logits: bool = False,
+    router_logits: Optional[RouterLogitsCarry] = None,
 ) -> PipelineStage:
     """Rewrite ``module`` in place into this rank's stage and return the handle that drives it.
 

@@ -1,7 +1,9 @@
 """tests/scripts/hf_matrix.py with the expert sweep's configs: every generic tiny config of a
 Hugging Face MoE model gets its router's auxiliary loss switched on (and weighted so a wrong one
-shows), and experts where the defaults leave a model dense (DOTS1's ``n_routed_experts=None``,
-HunYuan-MoE's ``num_experts=1``).
+shows), experts where the defaults leave a model dense (DOTS1's ``n_routed_experts=None``,
+HunYuan-MoE's ``num_experts=1``), routed layers where the defaults keep the first ones dense
+(DeepSeek-V3's ``first_k_dense_replace=3`` of two layers), and the few sizes the generic rules miss
+(DBRX's attention sub-config, GraniteMoE-Hybrid's Mamba heads).
 
 Why a wrapper and not an option of hf_matrix.py: the matrix is shared with the dense sweep, whose
 configs must stay the config class defaults; here the point is the routed path and its aux loss,
@@ -20,11 +22,11 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
+from megastrategy.moe.unsplit_experts import EXPERT_COUNT_FIELDS as _EXPERT_COUNTS  # noqa: E402
 from tests.helpers import hf_zoo  # noqa: E402
 from tests.helpers.hf_generic import generic_tiny_config  # noqa: E402
 
-#: expert counts and top-k the defaults may leave unset (None) or at 1 (a dense model)
-_EXPERT_COUNTS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
+#: top-k fields the defaults may leave unset (None); the expert counts, unset or at 1 (a dense model), are _EXPERT_COUNTS
 _TOP_K = ("num_experts_per_tok", "moe_k", "top_k", "moe_topk", "num_experts_per_token")
 AUX_COEF = 0.1
 #: fields that keep the first layers dense: capped at 1, so that layer 1 of the two is routed

@@ -28,5 +28,19 @@ def test_gradients_flow_from_the_received_tensor_to_every_packed_tensor():
 
 
 def test_a_tensor_that_cannot_be_carried_is_refused_naming_it():
-    with pytest.raises(MegatronConfigError, match="dtype torch.int64"):
-        pack([torch.randn(2, 3), torch.zeros(2, dtype=torch.long)])
+    with pytest.raises(MegatronConfigError, match="dtype torch.bool"):
+        pack([torch.randn(2, 3), torch.zeros(2, dtype=torch.bool)])
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float64])
+def test_integer_tensors_cross_bit_for_bit_beside_any_float_dtype(dtype):
+    """A sparse-attention indexer's top-k indices (int32, past bfloat16's exact 256) and int64 values
+    beyond float32's 2**24, in odd counts (padded to whole elements of the packed dtype)."""
+    hidden = torch.randn(2, 3, dtype=dtype, requires_grad=True)
+    indices = torch.randint(0, 100_000, (2, 5, 3), dtype=torch.int32)
+    big = torch.tensor([2**40 + 3, -7, 5])
+    got_hidden, got_indices, got_big = unpack(pack([hidden, indices, big]), 3)
+    assert torch.equal(got_indices, indices) and got_indices.dtype == torch.int32
+    assert torch.equal(got_big, big) and got_big.dtype == torch.int64
+    got_hidden.float().sum().backward()  # the float part still carries its gradient
+    assert torch.equal(hidden.grad, torch.ones_like(hidden))

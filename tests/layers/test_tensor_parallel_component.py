@@ -26,3 +26,16 @@ def test_the_same_model_uncompiled_resolves_its_plan():
     component = TensorParallel(MegatronConfig(tp=2))
     component.validate(_holder(compiled=False), None)
     assert component.plan is not None and component.plan.tp_size == 2
+
+
+def test_a_declared_plan_that_cannot_be_resolved_refuses_tp2_but_not_tp1():
+    """Zaya's declared plan shards half of its router MLP: refused where it would shard (tp=2), an
+    empty plan where nothing is sharded (tp=1: data, expert or pipeline parallelism alone)."""
+    from tests.helpers.hf_zoo import tiny_model
+
+    model = tiny_model("generic.zaya")
+    with pytest.raises(MegatronConfigError, match="must be sharded together"):
+        TensorParallel(MegatronConfig(tp=2)).validate(model, None)
+    component = TensorParallel(MegatronConfig())
+    component.validate(model, None)
+    assert component.plan.tp_size == 1 and not component.plan.entries

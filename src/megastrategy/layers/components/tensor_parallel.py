@@ -35,7 +35,7 @@ class TensorParallel(Component):
         if self.tp > 1:
             _refuse_compiled(module, self.tp)
         if self.plan is None:
-            self.plan = resolve_tp_plan(module, self.tp_plan, self.tp)
+            self.plan = _resolve(module, self.tp_plan, self.tp)
 
     def apply(self, module: nn.Module, ctx: SetupContext) -> None:
         self.validate(module, None)
@@ -49,6 +49,19 @@ class TensorParallel(Component):
             verify_sharded_blocks(module, captured, group, self.tp)
         elif ctx.backend_in_use == "te":  # at tp=1 the plan marks what TE takes over
             apply_tp_plan(module, self.plan, group=group, rng_tracker=ctx.rng_tracker)
+
+
+def _resolve(module: nn.Module, tp_plan: Optional[dict], tp: int) -> ResolvedPlan:
+    """The plan; at ``tp=1`` without a ``tp_plan`` of the user's, a model whose own declared plan
+    cannot be resolved (Zaya's names half of a block) gets an empty one instead of a refusal:
+    nothing is sharded there, so the declaration's flaw changes nothing (the sweep found Zaya
+    refused at ep2 and pp2, and under plain data parallelism, for a tensor-parallel rule)."""
+    try:
+        return resolve_tp_plan(module, tp_plan, tp)
+    except MegatronConfigError:
+        if tp > 1 or tp_plan is not None:
+            raise
+        return ResolvedPlan(tp_size=1, entries=())
 
 
 def _refuse_compiled(module: nn.Module, tp: int) -> None:

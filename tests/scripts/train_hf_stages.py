@@ -62,6 +62,8 @@ ARCHITECTURES = {  # name: (config class, auto class, config arguments beyond CO
     "falcon": ("FalconConfig", LM, dict(new_decoder_architecture=True, num_attention_heads=8, num_kv_heads=2,
                                         alibi=False)),
     "persimmon": ("PersimmonConfig", LM, dict(qk_layernorm=True)),
+    # its encoder calls ``layer.forward(...)`` (no hooks) and its blocks return a dict
+    "squeezebert": ("SqueezeBertConfig", CLS, dict(embedding_size=32)),
     # no loss of its own: the module adds a head (its blocks hand each other T5's position bias)
     "t5-encoder": ("T5Config", "T5EncoderModel", dict(d_model=32, d_ff=64, num_layers=LAYERS, num_heads=4, d_kv=8)),
 }

@@ -482,7 +482,7 @@ def cut_stage(
     stack_calls: Optional[tuple[int, ...]] = None,
     carried: tuple[tuple[int, str], ...] = (),
     placement: Optional[StagePlacement] = None,
-    block_arity: Optional[int] = None,
+    block_arity: Optional[int | tuple[str, ...]] = None,
 ) -> PipelineStage:
     """Rewrite ``module`` in place into this rank's stage and return the handle that drives it.
 

@@ -126,7 +126,9 @@ def train(name: str, args) -> dict:
                         callbacks=[losses], logger=False, enable_progress_bar=False, enable_model_summary=False,
                         enable_checkpointing=False, num_sanity_val_steps=0, limit_val_batches=2,
                         val_check_interval=args.steps)
-    trainer.fit(module)
+    trainer.fit(module, ckpt_path=str(Path(args.resume) / name) if args.resume else None)
+    if args.save:  # the strategy's own checkpoint (or DDP's), for a run on another layout to resume
+        trainer.save_checkpoint(str(Path(args.save) / name))
     result = {"train": losses.losses, "val": float(trainer.callback_metrics["val_loss"])}
     if args.weights:  # the final weights, whole: the strategy's checkpoint consolidated, or DDP's own
         result["weights"] = _final_weights(trainer, module, Path(args.weights) / name, args.strategy)
@@ -161,6 +163,8 @@ def main() -> None:
     p.add_argument("--microbatches", type=int, default=None)
     p.add_argument("--weights", help="a folder: save each model's final weights there, whole")
     p.add_argument("--steps", type=int, default=4)
+    p.add_argument("--save", help="a folder: save each model's checkpoint there after the fit")
+    p.add_argument("--resume", help="a folder of --save's checkpoints: resume each model's fit from its own")
     args = p.parse_args()
     args.devices = int(os.environ["WORLD_SIZE"])  # read once: a fit may change it
     torch.set_num_threads(1)

@@ -1,0 +1,49 @@
+"""Refuse a split module's forward and ``state_dict()`` outside the strategy's Trainer runs.
+
+After ``fit`` the module stays split (:mod:`megastrategy.split_record`). A script then calls
+``model(batch)`` on rank 0, or ``torch.save(model.state_dict(), ...)``: under tp the forward's
+collectives wait for ranks that are elsewhere (a hang), and the state dict holds this rank's shards
+and stage (a file that looks like a model and is not one). Both raise instead, naming what gives
+the whole model; inside a run (fit, validate, test, predict, a checkpoint save) nothing changes.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable
+
+from torch import nn
+
+from megastrategy.errors import MegatronConfigError
+from megastrategy.split_record import SplitRecord
+
+__all__ = ["guard_outside_runs"]
+
+_WHOLE = ("for the whole model, trainer.save_checkpoint('ckpt') on every rank, then in any one process "
+          "`from megastrategy.checkpoint import consolidate; state = consolidate('ckpt')` (the original full "
+          "state_dict) or {cls}.load_from_checkpoint('ckpt'); trainer.strategy.export_hf('hf_out') (every rank) "
+          "writes a Hugging Face model from_pretrained reads")
+
+
+def guard_outside_runs(module: nn.Module, record: SplitRecord, sharding: str) -> None:
+    """Hooks on ``module`` and its direct children: outside a run, forward and ``state_dict`` raise."""
+    if not sharding or getattr(module, "_megastrategy_outside_guard", False):
+        return
+    cls = type(module).__name__
+    whole = _WHOLE.format(cls=cls)
+    for name, m in [("", module), *module.named_children()]:
+        label = f"model.{name}" if name else "model"
+        m.register_forward_pre_hook(_refuse(record, lambda label=label: (
+            f"{label}(...) outside a Trainer run with {sharding}: after fit this rank still holds only its share of "
+            "the model, and its forward needs every rank at once (called on one rank it waits forever). What works: "
+            f"trainer.predict(model) / trainer.validate(model) on every rank; or {whole}.")))
+        m.register_state_dict_pre_hook(_refuse(record, lambda label=label: (
+            f"{label}.state_dict() outside a Trainer run with {sharding}: after fit this rank holds only its shards "
+            f"and pipeline stage, so the dict (and a file saved from it) would not be the model. What works: {whole}.")))
+    module.__dict__["_megastrategy_outside_guard"] = True
+
+
+def _refuse(record: SplitRecord, message: Callable[[], str]) -> Callable[..., Any]:
+    def hook(*args: Any, **kwargs: Any) -> None:
+        if not record.running:
+            raise MegatronConfigError(message())
+
+    return hook

@@ -1,0 +1,62 @@
+"""Which ``MegatronStrategy`` split a module in place, and whether one of its Trainer runs is under way.
+
+A fit rewrites the user's module in place (layers sharded over tp, other stages' layers replaced by
+placeholders under pp), and the module stays that way after the fit: the same Trainer's
+``validate``/``test``/``predict`` run on it as it is. A user's script keeps using the module after
+that, on its own (a forward on rank 0, ``state_dict()``) or with a new Trainer (two-phase
+fine-tuning). Both need to know what split the module and whether a run is active; this record,
+kept on the module, says it (:mod:`megastrategy.second_fit`, :mod:`megastrategy.outside_run_guard`).
+"""
+from __future__ import annotations
+
+from contextlib import contextmanager
+from typing import Any, Iterator, Optional
+
+from torch import nn
+
+__all__ = ["SplitRecord", "record_of", "attach_record"]
+
+_ATTRIBUTE = "_megastrategy_split_record"
+
+
+class SplitRecord:
+    """The strategy that split the module, and whether it is using the module now: while its
+    Trainer runs (``fit`` to its ``teardown`` hooks, ``validate``, ...) or inside :meth:`use` (a save
+    or an export called after the fit).
+
+    Copies of the module (``copy.deepcopy``) share the record: a copy holds the same shards, and
+    copying the strategy (its process groups) is neither possible nor wanted.
+    """
+
+    def __init__(self, strategy: Any) -> None:
+        self.strategy = strategy
+        self.active = 0
+
+    @property
+    def running(self) -> bool:
+        module = getattr(self.strategy, "lightning_module", None)
+        trainer = getattr(module, "_trainer", None)
+        return self.active > 0 or (trainer is not None and trainer.state.status == "running")
+
+    @contextmanager
+    def use(self) -> Iterator[None]:
+        """A span in which the strategy uses the module on every rank (a save after the fit, an export)."""
+        self.active += 1
+        try:
+            yield
+        finally:
+            self.active -= 1
+
+    def __deepcopy__(self, memo: dict) -> "SplitRecord":
+        return self
+
+
+def record_of(module: Optional[nn.Module]) -> Optional[SplitRecord]:
+    return None if module is None else module.__dict__.get(_ATTRIBUTE)
+
+
+def attach_record(module: nn.Module, strategy: Any) -> SplitRecord:
+    """Record ``strategy`` as what split ``module`` (a plain attribute: not a submodule or buffer)."""
+    record = SplitRecord(strategy)
+    module.__dict__[_ATTRIBUTE] = record
+    return record

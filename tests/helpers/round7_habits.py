@@ -86,6 +86,33 @@ HABITS["second-fit"] = _second_fit(False)
 HABITS["second-fit-other-layout"] = _second_fit(True)
 
 
+def second_fit_via_checkpoint(args, workdir):
+    """What the other-layout refusal names: ``trainer.save_checkpoint`` after phase 1, a fresh module
+    loaded with ``consolidate`` (DDP: the ``.ckpt``'s ``state_dict``), phase 2 on tp and pp exchanged."""
+    module = FrozenBackbone(batch_size=8 // args.dp)
+    module.freeze_blocks(True)
+    first, second = StepLosses(), StepLosses()
+    t = trainer(args, [first], max_steps=2, limit_val_batches=0)
+    t.fit(module)
+    path = str(workdir / "phase1")
+    t.save_checkpoint(path)
+    if args.strategy == "ddp":
+        state = torch.load(path, weights_only=False)["state_dict"]
+    else:
+        from megastrategy.checkpoint import consolidate
+
+        state = consolidate(path)
+    fresh = FrozenBackbone(batch_size=8 // args.dp)
+    fresh.load_state_dict(state)
+    later = copy.copy(args)
+    later.tp, later.pp = args.pp, args.tp
+    trainer(later, [second], max_steps=2, limit_val_batches=0).fit(fresh)
+    return {"losses": first.losses + second.losses}
+
+
+HABITS["second-fit-via-checkpoint"] = second_fit_via_checkpoint
+
+
 # ---------------------------------------------------------------- 2. the module outside the Trainer
 def _fitted(args):
     losses, module = StepLosses(), GPT(batch_size=8 // args.dp)
@@ -106,22 +133,26 @@ def forward_on_rank_zero(args, workdir):
 
 
 def state_dict_on_rank_zero(args, workdir):
-    """``model.state_dict()`` (for ``torch.save``) on rank 0 after fit; where it is refused, what the
-    refusal names: ``trainer.save_checkpoint`` on every rank and ``consolidate`` on rank 0."""
+    """``model.state_dict()`` (for ``torch.save``) on rank 0 after fit; under megastrategy also what its
+    refusal names: ``trainer.save_checkpoint`` on every rank, then ``consolidate`` on rank 0."""
     t, module, losses = _fitted(args)
     report = {"losses": losses}
-    sd, raised = _raised(module.state_dict) if t.global_rank == 0 else (None, None)
-    if raised is not None or t.world_size > 1 and args.strategy != "ddp":
+    if t.global_rank == 0:
+        sd, report["raised"] = _raised(module.state_dict)
+        if sd is not None:
+            torch.save(sd, workdir.parent / f"{workdir.name}.pt")
+            report["sums"] = _sums(sd)
+    if args.strategy != "ddp":
         t.save_checkpoint(str(workdir / "ckpt"))
         if t.global_rank == 0:
             from megastrategy.checkpoint import consolidate
 
-            sd = consolidate(str(workdir / "ckpt"))
-    if t.global_rank == 0:
-        torch.save(sd, workdir.parent / f"{workdir.name}.pt")
-        report.update(raised=raised, shapes={k: list(v.shape) for k, v in sd.items()},
-                      sums={k: float(v.float().sum()) for k, v in sd.items()})
+            report["consolidated"] = _sums(consolidate(str(workdir / "ckpt")))
     return report
+
+
+def _sums(state: dict) -> dict:
+    return {k: [list(v.shape), float(v.float().sum())] for k, v in state.items()}
 
 
 def deepcopy_on_rank_zero(args, workdir):
@@ -153,3 +184,160 @@ HABITS["forward-rank-zero"] = forward_on_rank_zero
 HABITS["state-dict-rank-zero"] = state_dict_on_rank_zero
 HABITS["deepcopy-rank-zero"] = deepcopy_on_rank_zero
 HABITS["save-pretrained-rank-zero"] = save_pretrained_on_rank_zero
+
+
+# ---------------------------------------------------------------- 3. callbacks that unfreeze layers mid-fit
+from lightning.pytorch.callbacks import BackboneFinetuning, BaseFinetuning, LearningRateMonitor  # noqa: E402
+
+
+class TrainableOnly(GPT):
+    """The optimizer over the trainable parameters: what the finetuning callbacks' docs build."""
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW([p for p in self.parameters() if p.requires_grad], lr=1e-2)
+
+
+class BackboneGPT(TrainableOnly):
+    """``BackboneFinetuning`` reads ``pl_module.backbone``: here the blocks."""
+
+    @property
+    def backbone(self):
+        return self.blocks
+
+
+class UnfreezeBlocks(BaseFinetuning):
+    """The docs' ``BaseFinetuning`` subclass: the blocks frozen before training, unfrozen at epoch 1
+    into a new param group with its own lr."""
+
+    def freeze_before_training(self, pl_module):
+        self.freeze(pl_module.blocks)
+
+    def finetune_function(self, pl_module, current_epoch, optimizer):
+        if current_epoch == 1:
+            self.unfreeze_and_add_param_group(modules=pl_module.blocks, optimizer=optimizer, lr=3e-3)
+
+
+class GroupLrs(L.Callback):
+    """Each optimizer step's param-group learning rates (how many groups, and their lr)."""
+
+    def __init__(self) -> None:
+        self.lrs: list = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.lrs.append([float(g["lr"]) for g in trainer.optimizers[0].param_groups])
+
+
+def _finetuning(kind, callback):
+    def run(args, workdir):
+        losses, groups, module = StepLosses(), GroupLrs(), kind(batch_size=8 // args.dp)
+        t = trainer(args, [callback(), losses, groups], max_epochs=3, limit_train_batches=2, limit_val_batches=0)
+        t.fit(module)
+        return {"losses": losses.losses, "lrs": groups.lrs}
+
+    return run
+
+
+HABITS["base-finetuning"] = _finetuning(TrainableOnly, UnfreezeBlocks)
+HABITS["backbone-finetuning"] = _finetuning(BackboneGPT, lambda: BackboneFinetuning(unfreeze_backbone_at_epoch=1,
+                                                                                   backbone_initial_lr=1e-3))
+
+
+# ---------------------------------------------------------------- 4. ReduceLROnPlateau, LearningRateMonitor, clip by value
+class Plateau(GPT):
+    def configure_optimizers(self):
+        opt = torch.optim.SGD(self.parameters(), lr=0.5)
+        sched = torch.optim.lr_scheduler.ReduceLROnPlateau(opt, mode="min", factor=0.5, patience=0, threshold=1e9)
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "monitor": "val_loss"}}
+
+
+def plateau(args, workdir):
+    """``ReduceLROnPlateau(monitor="val_loss")`` stepped each epoch (a huge threshold: it halves every
+    epoch), ``LearningRateMonitor`` into a ``CSVLogger``, ``gradient_clip_algorithm="value"``."""
+    import csv
+
+    from lightning.pytorch.loggers import CSVLogger
+
+    losses = StepLosses()
+    t = trainer(args, [losses, LearningRateMonitor(logging_interval="step")], max_epochs=3, limit_train_batches=2,
+                limit_val_batches=2, gradient_clip_val=0.02, gradient_clip_algorithm="value",
+                logger=CSVLogger(str(workdir), name="csv", version=0), log_every_n_steps=1)
+    t.fit(Plateau(batch_size=8 // args.dp))
+    rows = list(csv.DictReader(open(t.logger.experiment.metrics_file_path))) if t.global_rank == 0 else []
+    return {"losses": losses.losses, "rows": [{k: v for k, v in r.items() if v} for r in rows]}
+
+
+HABITS["plateau-monitor-clip-value"] = plateau
+
+
+# ---------------------------------------------------------------- 5. two validation loaders, validation twice an epoch
+class TwoValLoaders(GPT):
+    def val_dataloader(self):
+        return [DataLoader(TokenDataset(8, seed=99), batch_size=self.batch_size),
+                DataLoader(TokenDataset(8, seed=98), batch_size=self.batch_size)]
+
+    def validation_step(self, batch, batch_idx, dataloader_idx=0):
+        loss = self.compute_loss(batch)
+        self.log("val_loss", loss, sync_dist=True)  # "val_loss/dataloader_idx_{i}"
+        self.log(f"val_loss_{'ab'[dataloader_idx]}", loss, add_dataloader_idx=False)
+
+
+class Validations(L.Callback):
+    """The logged metrics after each validation run."""
+
+    def __init__(self) -> None:
+        self.seen: list = []
+
+    def on_validation_end(self, trainer, pl_module):
+        self.seen.append({k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("val")})
+
+
+def two_val_loaders(args, workdir):
+    losses, seen = StepLosses(), Validations()
+    t = trainer(args, [losses, seen], max_epochs=1, limit_train_batches=4, val_check_interval=0.5, limit_val_batches=2)
+    t.fit(TwoValLoaders(batch_size=8 // args.dp))
+    return {"losses": losses.losses, "validations": seen.seen}
+
+
+HABITS["two-val-loaders"] = two_val_loaders
+
+
+# ---------------------------------------------------------------- 6. resize_token_embeddings before fit
+class ResizedLM(L.LightningModule):
+    """A Hugging Face causal LM from its config, its embeddings resized (tokens added) before fit."""
+
+    def __init__(self, family: str, new_vocab: int, batch_size: int) -> None:
+        super().__init__()
+        from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig
+
+        if family == "gpt2":
+            cfg = GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=32, resid_pdrop=0.0,
+                             embd_pdrop=0.0, attn_pdrop=0.0)
+        else:
+            cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32)
+        self.model = AutoModelForCausalLM.from_config(cfg)
+        self.model.resize_token_embeddings(new_vocab)
+        self.batch_size = batch_size
+
+    def train_dataloader(self):
+        return DataLoader(TokenDataset(32), batch_size=self.batch_size)
+
+    def training_step(self, batch, batch_idx):
+        return self.model(input_ids=batch["input_ids"], labels=batch["input_ids"]).loss
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=1e-2)
+
+
+def _resized(family):
+    def run(args, workdir):
+        losses = StepLosses()
+        module = ResizedLM(family, 129, 8 // args.dp)
+        trainer(args, [losses], plan=None, max_steps=3, limit_val_batches=0).fit(module)
+        return {"losses": losses.losses, "vocab": 129}
+
+    return run
+
+
+HABITS["resize-embeddings-gpt2"] = _resized("gpt2")
+HABITS["resize-embeddings-llama"] = _resized("llama")

@@ -30,7 +30,7 @@ def _guarded(sharding="tp=2", trainer=None):
 
 def test_forward_and_state_dict_outside_a_run_are_refused_naming_what_works():
     net, _ = _guarded()
-    with pytest.raises(MegatronConfigError, match=r"model\(\.\.\.\) outside a Trainer run with tp=2.*trainer.predict"):
+    with pytest.raises(MegatronConfigError, match=r"model\(\.\.\.\) outside a Trainer run of the MegatronStrategy that split it \(tp=2\).*trainer.predict"):
         net(torch.ones(1, 4))
     with pytest.raises(MegatronConfigError, match=r"model.body\(\.\.\.\) outside"):
         net.body(torch.ones(1, 4))
@@ -59,3 +59,13 @@ def test_a_deep_copy_shares_the_record_and_is_refused_the_same_way():
     assert record_of(clone) is record
     with pytest.raises(MegatronConfigError, match="outside a Trainer run"):
         clone(torch.ones(1, 4))
+
+
+def test_another_strategys_trainer_is_not_a_run_of_the_split():
+    """``Trainer(devices=1).test(model)`` on rank 0 after fit: refused (at tp2 the forward would hang)."""
+    trainer = SimpleNamespace(state=SimpleNamespace(status="running"), strategy=object())
+    net, record = _guarded(trainer=trainer)
+    with pytest.raises(MegatronConfigError, match="outside a Trainer run"):
+        net(torch.ones(1, 4))
+    trainer.strategy = record.strategy
+    assert net(torch.ones(1, 4)).shape == (1, 4)

@@ -96,7 +96,7 @@ def test_forward_on_rank_zero_after_fit_is_refused_not_hung(layout):
     ours, ref = _pair(layout, "forward-rank-zero")
     _close(ours["losses"], ref["losses"])
     assert ref["raised"] is None and ours["out"] is None
-    assert ours["raised"].startswith("MegatronConfigError: model(...) outside a Trainer run with")
+    assert ours["raised"].startswith("MegatronConfigError: model(...) outside a Trainer run of the MegatronStrategy that split it (")
     assert "trainer.predict(model)" in ours["raised"] and "consolidate('ckpt')" in ours["raised"]
 
 
@@ -104,7 +104,7 @@ def test_forward_on_rank_zero_after_fit_is_refused_not_hung(layout):
 def test_state_dict_on_rank_zero_after_fit_is_refused_and_the_named_route_is_ddps(layout):
     ours, ref = _pair(layout, "state-dict-rank-zero")
     _close(ours["losses"], ref["losses"])
-    assert ours["raised"].startswith("MegatronConfigError: model.state_dict() outside a Trainer run with")
+    assert ours["raised"].startswith("MegatronConfigError: model.state_dict() outside a Trainer run of the MegatronStrategy that split it (")
     assert "sums" not in ours
     assert sorted(ours["consolidated"]) == sorted(ref["sums"])
     _same_state(ours["consolidated"], ref["sums"])

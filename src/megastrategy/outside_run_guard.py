@@ -23,27 +23,29 @@ _WHOLE = ("for the whole model, trainer.save_checkpoint('ckpt') on every rank, t
           "writes a Hugging Face model from_pretrained reads")
 
 
+_FORWARD = ("{label}(...) {outside}: after fit this rank still holds only its share of the model, and its forward "
+            "needs every rank at once (called on one rank it waits forever). What works: trainer.predict(model) / "
+            "trainer.validate(model) on every rank; or {whole}.")
+_STATE_DICT = ("{label}.state_dict() {outside}: after fit this rank holds only its shards and pipeline stage, so the "
+               "dict (and a file saved from it) would not be the model. What works: {whole}.")
+
+
 def guard_outside_runs(module: nn.Module, record: SplitRecord, sharding: str) -> None:
     """Hooks on ``module`` and its direct children: outside a run, forward and ``state_dict`` raise."""
     if not sharding or getattr(module, "_megastrategy_outside_guard", False):
         return
-    cls = type(module).__name__
-    whole = _WHOLE.format(cls=cls)
+    facts = {"whole": _WHOLE.format(cls=type(module).__name__),
+             "outside": f"outside a Trainer run of the MegatronStrategy that split it ({sharding})"}
     for name, m in [("", module), *module.named_children()]:
         label = f"model.{name}" if name else "model"
-        m.register_forward_pre_hook(_refuse(record, lambda label=label: (
-            f"{label}(...) outside a Trainer run with {sharding}: after fit this rank still holds only its share of "
-            "the model, and its forward needs every rank at once (called on one rank it waits forever). What works: "
-            f"trainer.predict(model) / trainer.validate(model) on every rank; or {whole}.")))
-        m.register_state_dict_pre_hook(_refuse(record, lambda label=label: (
-            f"{label}.state_dict() outside a Trainer run with {sharding}: after fit this rank holds only its shards "
-            f"and pipeline stage, so the dict (and a file saved from it) would not be the model. What works: {whole}.")))
+        m.register_forward_pre_hook(_refuse(record, _FORWARD.format(label=label, **facts)))
+        m.register_state_dict_pre_hook(_refuse(record, _STATE_DICT.format(label=label, **facts)))
     module.__dict__["_megastrategy_outside_guard"] = True
 
 
-def _refuse(record: SplitRecord, message: Callable[[], str]) -> Callable[..., Any]:
+def _refuse(record: SplitRecord, message: str) -> Callable[..., Any]:
     def hook(*args: Any, **kwargs: Any) -> None:
         if not record.running:
-            raise MegatronConfigError(message())
+            raise MegatronConfigError(message)
 
     return hook

@@ -20,9 +20,9 @@ _ATTRIBUTE = "_megastrategy_split_record"
 
 
 class SplitRecord:
-    """The strategy that split the module, and whether it is using the module now: while its
-    Trainer runs (``fit`` to its ``teardown`` hooks, ``validate``, ...) or inside :meth:`use` (a save
-    or an export called after the fit).
+    """The strategy that split the module, and whether it is using the module now: while a Trainer
+    of this strategy runs (``fit`` to its ``teardown`` hooks, ``validate``, ...; not another
+    strategy's Trainer) or inside :meth:`use` (a save or an export called after the fit).
 
     Copies of the module (``copy.deepcopy``) share the record: a copy holds the same shards, and
     copying the strategy (its process groups) is neither possible nor wanted.
@@ -36,7 +36,10 @@ class SplitRecord:
     def running(self) -> bool:
         module = getattr(self.strategy, "lightning_module", None)
         trainer = getattr(module, "_trainer", None)
-        return self.active > 0 or (trainer is not None and trainer.state.status == "running")
+        if self.active > 0 or trainer is None or trainer.state.status != "running":
+            return self.active > 0
+        # a plain Trainer's run (Trainer(devices=1).test(model) on rank 0) is not the strategy's
+        return getattr(trainer, "strategy", self.strategy) is self.strategy
 
     @contextmanager
     def use(self) -> Iterator[None]:

@@ -3,7 +3,8 @@
 One launch per layout of tests/scripts/habits_round7.py runs every habit one after another
 (tests/helpers/round7_habits.py): tp2 and pp2 against DDP on one process, dp2 against DDP on two.
 
-* ``fit`` then ``validate``, ``test``, ``predict`` on the same Trainer: DDP's values;
+* ``fit`` then ``validate``, ``test``, ``predict`` on the same Trainer, and ``test``/``predict`` on a new
+  Trainer with a new strategy of the same arguments: DDP's values;
 * a second ``fit`` of the same module instance with a new Trainer and a new ``MegatronStrategy``
   (two-phase fine-tuning, the blocks frozen then unfrozen): with the same arguments DDP's losses (at
   pp2 it failed with a misleading "ln_f is registered after the stack" error: the new strategy
@@ -15,7 +16,8 @@ One launch per layout of tests/scripts/habits_round7.py runs every habit one aft
   and ``model.state_dict()`` (rank 0's shards and stage, silently) are refused outside a Trainer run,
   naming ``save_checkpoint`` + ``consolidate`` and ``export_hf`` (``outside_run_guard.py``), and
   ``consolidate`` of ``trainer.save_checkpoint`` is DDP's state dict; ``copy.deepcopy`` works and the
-  copy's forward is refused the same way; ``save_pretrained`` refused (as before); at dp2 the module
+  copy's forward is refused the same way, and so is a plain ``Trainer(devices=1).test(model)`` on rank 0
+  (not the strategy's run); ``save_pretrained`` refused (as before); at dp2 the module
   is whole and all of it is DDP's;
 * ``BaseFinetuning`` (a subclass unfreezing the blocks into a new param group at epoch 1) and
   ``BackboneFinetuning``; ``ReduceLROnPlateau(monitor="val_loss")`` with ``LearningRateMonitor`` into
@@ -34,7 +36,8 @@ SCRIPT = Path(__file__).parent / "scripts" / "habits_round7.py"
 pytestmark = pytest.mark.slow
 
 AFTER_FIT = ["evaluate-after-fit", "second-fit", "second-fit-other-layout", "second-fit-via-checkpoint",
-             "forward-rank-zero", "state-dict-rank-zero", "deepcopy-rank-zero", "save-pretrained-rank-zero"]
+             "forward-rank-zero", "state-dict-rank-zero", "deepcopy-rank-zero", "save-pretrained-rank-zero",
+             "plain-trainer-rank-zero", "new-trainer-test"]
 MORE = ["base-finetuning", "backbone-finetuning", "plateau-monitor-clip-value", "two-val-loaders",
         "resize-embeddings-gpt2", "resize-embeddings-llama"]
 DATA = ["second-fit", "forward-rank-zero", "state-dict-rank-zero"]
@@ -63,6 +66,14 @@ def test_validate_test_predict_after_fit_on_the_same_trainer(layout):
     _close(ours["losses"], ref["losses"])
     for key in ("validated", "tested"):
         _same_values(ours[key][0], ref[key][0])
+    _close(ours["predicted"], ref["predicted"])
+
+
+@pytest.mark.parametrize("layout", SPLIT)
+def test_test_and_predict_on_a_new_trainer_after_fit(layout):
+    ours, ref = _pair(layout, "new-trainer-test")
+    _close(ours["losses"], ref["losses"])
+    _same_values(ours["tested"][0], ref["tested"][0])
     _close(ours["predicted"], ref["predicted"])
 
 
@@ -137,6 +148,15 @@ def test_deepcopy_after_fit_works_and_its_forward_is_refused(layout):
     ours, ref = _pair(layout, "deepcopy-rank-zero")
     assert ours["raised"] is ref["raised"] is ref["forward_raised"] is None
     assert ours["forward_raised"].startswith("MegatronConfigError: model(...) outside a Trainer run")
+
+
+@pytest.mark.parametrize("layout", SPLIT)
+def test_a_plain_one_device_trainer_on_rank_zero_after_fit_is_refused_not_hung(layout):
+    """``L.Trainer(devices=1).test(model)`` on rank 0: DDP's one-device test; here the split module's
+    forward refuses (at tp2 it waited for rank 1) and names what works."""
+    ours, ref = _pair(layout, "plain-trainer-rank-zero")
+    assert ref["raised"] is None and ref["tested"][0]["test_loss"] > 0
+    assert ours["tested"] is None and "outside a Trainer run of the MegatronStrategy" in ours["raised"]
 
 
 @pytest.mark.parametrize("layout", SPLIT)

@@ -341,3 +341,30 @@ def _resized(family):
 
 HABITS["resize-embeddings-gpt2"] = _resized("gpt2")
 HABITS["resize-embeddings-llama"] = _resized("llama")
+
+
+def plain_trainer_on_rank_zero(args, workdir):
+    """``L.Trainer(devices=1).test(model)`` on rank 0 after fit: a quick check on one device."""
+    t, module, losses = _fitted(args)
+    report = {"losses": losses}
+    if t.global_rank == 0:
+        one = L.Trainer(accelerator="cpu", devices=1, logger=False, enable_progress_bar=False,
+                        enable_model_summary=False, limit_test_batches=2)
+        report["tested"], report["raised"] = _raised(lambda: one.test(module, verbose=False))
+    return report
+
+
+HABITS["plain-trainer-rank-zero"] = plain_trainer_on_rank_zero
+
+
+def new_trainer_test(args, workdir):
+    """``fit`` on one Trainer, ``test`` and ``predict`` on a new one with a new strategy of the same arguments."""
+    _, module, losses = _fitted(args)
+    t = trainer(args, [], limit_test_batches=2, limit_predict_batches=2)
+    tested = t.test(module, verbose=False)
+    predicted = t.predict(module)
+    return {"losses": losses, "tested": tested,
+            "predicted": [float(p.sum()) for p in predicted] if t.global_rank == 0 else None}
+
+
+HABITS["new-trainer-test"] = new_trainer_test

@@ -69,3 +69,18 @@ def test_another_strategys_trainer_is_not_a_run_of_the_split():
         net(torch.ones(1, 4))
     trainer.strategy = record.strategy
     assert net(torch.ones(1, 4)).shape == (1, 4)
+
+
+def test_pickling_a_split_module_is_refused_naming_what_works():
+    import pickle
+
+    net, _ = _guarded()
+    with pytest.raises(MegatronConfigError, match=r"pickling a module split by MegatronStrategy \(tp=2\).*consolidate"):
+        pickle.dumps(net)
+
+
+def test_a_whole_module_pickles_without_its_record():
+    import pickle
+
+    net, _ = _guarded(sharding="")
+    assert record_of(pickle.loads(pickle.dumps(net))) is None

@@ -17,7 +17,7 @@ One launch per layout of tests/scripts/habits_round7.py runs every habit one aft
   naming ``save_checkpoint`` + ``consolidate`` and ``export_hf`` (``outside_run_guard.py``), and
   ``consolidate`` of ``trainer.save_checkpoint`` is DDP's state dict; ``copy.deepcopy`` works and the
   copy's forward is refused the same way, and so is a plain ``Trainer(devices=1).test(model)`` on rank 0
-  (not the strategy's run); ``save_pretrained`` refused (as before); at dp2 the module
+  (not the strategy's run), and ``torch.save(model, path)`` (a pickle of the parts); ``save_pretrained`` refused (as before); at dp2 the module
   is whole and all of it is DDP's;
 * ``BaseFinetuning`` (a subclass unfreezing the blocks into a new param group at epoch 1) and
   ``BackboneFinetuning``; ``ReduceLROnPlateau(monitor="val_loss")`` with ``LearningRateMonitor`` into
@@ -37,7 +37,7 @@ pytestmark = pytest.mark.slow
 
 AFTER_FIT = ["evaluate-after-fit", "second-fit", "second-fit-other-layout", "second-fit-via-checkpoint",
              "forward-rank-zero", "state-dict-rank-zero", "deepcopy-rank-zero", "save-pretrained-rank-zero",
-             "plain-trainer-rank-zero", "new-trainer-test"]
+             "plain-trainer-rank-zero", "new-trainer-test", "pickle-rank-zero"]
 MORE = ["base-finetuning", "backbone-finetuning", "plateau-monitor-clip-value", "two-val-loaders",
         "resize-embeddings-gpt2", "resize-embeddings-llama"]
 DATA = ["second-fit", "forward-rank-zero", "state-dict-rank-zero"]
@@ -157,6 +157,15 @@ def test_a_plain_one_device_trainer_on_rank_zero_after_fit_is_refused_not_hung(l
     ours, ref = _pair(layout, "plain-trainer-rank-zero")
     assert ref["raised"] is None and ref["tested"][0]["test_loss"] > 0
     assert ours["tested"] is None and "outside a Trainer run of the MegatronStrategy" in ours["raised"]
+
+
+@pytest.mark.parametrize("layout", SPLIT)
+def test_pickling_the_module_after_fit_is_refused_naming_what_works(layout):
+    """``torch.save(model, path)``: it failed on a hook with "Can't pickle local object"."""
+    ours, ref = _pair(layout, "pickle-rank-zero")
+    assert ref["raised"] is None
+    assert ours["raised"].startswith("MegatronConfigError: pickling a module split by MegatronStrategy")
+    assert "consolidate('ckpt')" in ours["raised"]
 
 
 @pytest.mark.parametrize("layout", SPLIT)

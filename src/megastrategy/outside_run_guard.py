@@ -8,7 +8,7 @@ the whole model; inside a run (fit, validate, test, predict, a checkpoint save) 
 """
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any
 
 from torch import nn
 
@@ -38,14 +38,19 @@ def guard_outside_runs(module: nn.Module, record: SplitRecord, sharding: str) ->
              "outside": f"outside a Trainer run of the MegatronStrategy that split it ({sharding})"}
     for name, m in [("", module), *module.named_children()]:
         label = f"model.{name}" if name else "model"
-        m.register_forward_pre_hook(_refuse(record, _FORWARD.format(label=label, **facts)))
-        m.register_state_dict_pre_hook(_refuse(record, _STATE_DICT.format(label=label, **facts)))
+        m.register_forward_pre_hook(_Refusal(record, _FORWARD.format(label=label, **facts)))
+        m.register_state_dict_pre_hook(_Refusal(record, _STATE_DICT.format(label=label, **facts)))
+    record.sharding = sharding
     module.__dict__["_megastrategy_outside_guard"] = True
 
 
-def _refuse(record: SplitRecord, message: str) -> Callable[..., Any]:
-    def hook(*args: Any, **kwargs: Any) -> None:
-        if not record.running:
-            raise MegatronConfigError(message)
+class _Refusal:
+    """A forward or state-dict pre-hook raising ``message`` outside the record's runs (a class, not a
+    closure, so that pickling the module reaches the record's own refusal)."""
 
-    return hook
+    def __init__(self, record: SplitRecord, message: str) -> None:
+        self.record, self.message = record, message
+
+    def __call__(self, *args: Any, **kwargs: Any) -> None:
+        if not self.record.running:
+            raise MegatronConfigError(self.message)

@@ -14,6 +14,8 @@ from typing import Any, Iterator, Optional
 
 from torch import nn
 
+from megastrategy.errors import MegatronConfigError
+
 __all__ = ["SplitRecord", "record_of", "attach_record"]
 
 _ATTRIBUTE = "_megastrategy_split_record"
@@ -31,6 +33,7 @@ class SplitRecord:
     def __init__(self, strategy: Any) -> None:
         self.strategy = strategy
         self.active = 0
+        self.sharding = ""  # "tp=2, pp=2" where ranks hold parts (outside_run_guard.py sets it)
 
     @property
     def running(self) -> bool:
@@ -52,6 +55,17 @@ class SplitRecord:
 
     def __deepcopy__(self, memo: dict) -> "SplitRecord":
         return self
+
+    def __reduce__(self) -> Any:
+        """A pickle (``torch.save(model)``) of a split module would hold this rank's parts: refused.
+        A module every rank holds whole pickles without the record (the strategy is not picklable)."""
+        if not self.sharding:
+            return (type(None), ())
+        raise MegatronConfigError(
+            f"pickling a module split by MegatronStrategy ({self.sharding}), e.g. torch.save(model, path): the file "
+            "would hold this rank's shards and pipeline stage, not the model. What works: trainer.save_checkpoint('ckpt') "
+            "on every rank, then `from megastrategy.checkpoint import consolidate; torch.save(consolidate('ckpt'), path)` "
+            "in one process (the original full state_dict), or trainer.strategy.export_hf('hf_out') on every rank.")
 
 
 def record_of(module: Optional[nn.Module]) -> Optional[SplitRecord]:

@@ -369,3 +369,15 @@ def new_trainer_test(args, workdir):
 
 
 HABITS["new-trainer-test"] = new_trainer_test
+
+
+def pickle_on_rank_zero(args, workdir):
+    """``torch.save(model, path)`` (the whole module object, pickled) on rank 0 after fit."""
+    t, module, losses = _fitted(args)
+    report = {"losses": losses}
+    if t.global_rank == 0:
+        _, report["raised"] = _raised(lambda: torch.save(module, workdir.parent / f"{workdir.name}-module.pt"))
+    return report
+
+
+HABITS["pickle-rank-zero"] = pickle_on_rank_zero

@@ -5,8 +5,10 @@ a new Trainer (and a new strategy) with the same module instance. The module is 
 new strategy cannot split it again (its layers are shards and stage placeholders, which the model
 checks then mistook for a badly ordered model under pp). With the same configuration the new
 strategy takes over the previous one's split (its process groups, components, step runner): the
-same path as a second ``fit`` on one Trainer. With another one (tp2 then pp2) it is refused, naming
-what works: a fresh module loaded from a consolidated checkpoint of the first phase.
+same path as a second ``fit`` on one Trainer (so what the components took from the first Trainer,
+``sync_batchnorm`` and DDP's ``broadcast_buffers``, stays the first's). With another configuration
+(tp2 then pp2) it is refused, naming what works: a fresh module loaded from a consolidated
+checkpoint of the first phase.
 """
 from __future__ import annotations
 

@@ -37,10 +37,11 @@ class SplitRecord:
 
     @property
     def running(self) -> bool:
-        module = getattr(self.strategy, "lightning_module", None)
-        trainer = getattr(module, "_trainer", None)
-        if self.active > 0 or trainer is None or trainer.state.status != "running":
-            return self.active > 0
+        if self.active > 0:
+            return True
+        trainer = getattr(getattr(self.strategy, "lightning_module", None), "_trainer", None)
+        if trainer is None or trainer.state.status != "running":
+            return False
         # a plain Trainer's run (Trainer(devices=1).test(model) on rank 0) is not the strategy's
         return getattr(trainer, "strategy", self.strategy) is self.strategy
 

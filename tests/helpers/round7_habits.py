@@ -381,3 +381,42 @@ def pickle_on_rank_zero(args, workdir):
 
 
 HABITS["pickle-rank-zero"] = pickle_on_rank_zero
+
+
+class BackboneBert(L.LightningModule):
+    """A Hugging Face classifier (``AutoModelForSequenceClassification.from_config``, loss from ``labels=``)
+    with ``BackboneFinetuning``: the encoder is the backbone, the optimizer over the trainable parameters."""
+
+    def __init__(self, batch_size: int) -> None:
+        super().__init__()
+        from transformers import AutoModelForSequenceClassification, BertConfig
+
+        cfg = BertConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                         intermediate_size=64, max_position_embeddings=32, num_labels=3, hidden_dropout_prob=0.0,
+                         attention_probs_dropout_prob=0.0)
+        self.model = AutoModelForSequenceClassification.from_config(cfg)
+        self.batch_size = batch_size
+
+    @property
+    def backbone(self):
+        return self.model.bert
+
+    def train_dataloader(self):
+        return DataLoader(TokenDataset(32), batch_size=self.batch_size)
+
+    def training_step(self, batch, batch_idx):
+        return self.model(**batch).loss
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW([p for p in self.parameters() if p.requires_grad], lr=1e-2)
+
+
+def backbone_bert(args, workdir):
+    losses, groups, module = StepLosses(), GroupLrs(), BackboneBert(8 // args.dp)
+    t = trainer(args, [BackboneFinetuning(unfreeze_backbone_at_epoch=1, backbone_initial_lr=1e-3), losses, groups],
+                plan=None, max_epochs=2, limit_train_batches=2, limit_val_batches=0)
+    _, raised = _raised(lambda: t.fit(module))
+    return {"losses": losses.losses, "lrs": groups.lrs, "raised": raised}
+
+
+HABITS["backbone-finetuning-bert"] = backbone_bert

@@ -1,11 +1,13 @@
 """Round-7 Lightning habits, one function each: ``HABITS[name](args, workdir) -> report`` (rank 0's).
 
-Life after ``fit``: the same Trainer's ``validate``/``test``/``predict``, a second ``fit`` of the same
-module instance with a new Trainer and a new strategy (two-phase fine-tuning, also on another layout),
-and what a script does with the module afterwards on rank 0 (its forward outside the Trainer, its
-``state_dict``, ``save_pretrained``, ``copy.deepcopy``). Then a few more habits: the finetuning
-callbacks, ``ReduceLROnPlateau`` with ``LearningRateMonitor`` and clipping by value, two validation
-loaders with ``val_check_interval=0.5``, and ``resize_token_embeddings`` to a size tp does not divide.
+Life after ``fit``: the same Trainer's ``validate``/``test``/``predict`` and a new one's, a second
+``fit`` of the same module instance with a new Trainer and a new strategy (two-phase fine-tuning, also
+on another layout, and through a consolidated checkpoint), and what a script does with the module
+afterwards on rank 0 (its forward, ``state_dict``, ``save_pretrained``, ``copy.deepcopy``,
+``torch.save(model)``, a plain one-device Trainer). Then a few more habits: the finetuning callbacks
+(also on an HF classifier), ``ReduceLROnPlateau`` with ``LearningRateMonitor`` and clipping by value,
+two validation loaders with ``val_check_interval=0.5``, and ``resize_token_embeddings`` to a size tp
+does not divide.
 Each on fresh Trainers (``tests/helpers/round3_habits.trainer``); tests/scripts/habits_round7.py runs
 several in one launch.
 """
@@ -15,7 +17,7 @@ import copy
 
 import lightning as L
 import torch
-import torch.nn.functional as F
+from lightning.pytorch.callbacks import BackboneFinetuning, BaseFinetuning, LearningRateMonitor
 from torch.utils.data import DataLoader
 
 from tests.helpers.models import GPT, VOCAB, TokenDataset
@@ -28,10 +30,6 @@ def _raised(call):
         return call(), None
     except Exception as error:  # noqa: BLE001
         return None, f"{type(error).__name__}: {error}"
-
-
-def _floats(values) -> list:
-    return [float(v) for v in values]
 
 
 # ---------------------------------------------------------------- 1. the same Trainer after fit
@@ -187,7 +185,6 @@ HABITS["save-pretrained-rank-zero"] = save_pretrained_on_rank_zero
 
 
 # ---------------------------------------------------------------- 3. callbacks that unfreeze layers mid-fit
-from lightning.pytorch.callbacks import BackboneFinetuning, BaseFinetuning, LearningRateMonitor  # noqa: E402
 
 
 class TrainableOnly(GPT):

@@ -12,19 +12,20 @@ One launch per layout of tests/scripts/habits_round7.py runs every habit one aft
   ``second_fit.py``); with tp and pp exchanged it is refused, naming the checkpoint route (tp2 then
   pp2 silently ran tp2 again), and that route (``save_checkpoint``, ``consolidate`` into a fresh
   module, fit on the other layout) gives DDP's losses;
-* after fit, on rank 0: ``model(batch)`` (it hung at tp2: the forward's collectives wait for rank 1)
-  and ``model.state_dict()`` (rank 0's shards and stage, silently) are refused outside a Trainer run,
-  naming ``save_checkpoint`` + ``consolidate`` and ``export_hf`` (``outside_run_guard.py``), and
+* after fit, on rank 0: ``model(batch)`` (it hung at tp2: the forward's collectives wait for rank 1) and
+  ``model.state_dict()`` (rank 0's shards and stage, silently) are refused outside a Trainer run, naming
+  ``save_checkpoint`` + ``consolidate`` and ``export_hf`` (``outside_run_guard.py``), and
   ``consolidate`` of ``trainer.save_checkpoint`` is DDP's state dict; ``copy.deepcopy`` works and the
   copy's forward is refused the same way, and so is a plain ``Trainer(devices=1).test(model)`` on rank 0
-  (not the strategy's run), and ``torch.save(model, path)`` (a pickle of the parts); ``save_pretrained`` refused (as before); at dp2 the module
-  is whole and all of it is DDP's;
+  (not the strategy's run), and ``torch.save(model, path)`` (a pickle of the parts); ``save_pretrained``
+  refused (as before); at dp2 the module is whole and all of it is DDP's;
 * ``BaseFinetuning`` (a subclass unfreezing the blocks into a new param group at epoch 1) and
   ``BackboneFinetuning`` (also of an HF BERT classifier at tp2; at pp2 its first stage is all backbone,
-  refused by name as before: a strict xfail says what stands in the way); ``ReduceLROnPlateau(monitor="val_loss")`` with ``LearningRateMonitor`` into
-  a ``CSVLogger`` (row for row) and ``gradient_clip_algorithm="value"``; two validation loaders
-  (``dataloader_idx``, ``add_dataloader_idx=False``) with ``val_check_interval=0.5``; an HF GPT-2 and
-  Llama with ``resize_token_embeddings(129)`` (not divisible by tp) before fit: DDP's (no change needed).
+  refused by name as before: a strict xfail says what stands in the way);
+  ``ReduceLROnPlateau(monitor="val_loss")`` with ``LearningRateMonitor`` into a ``CSVLogger`` (row for
+  row) and ``gradient_clip_algorithm="value"``; two validation loaders (``dataloader_idx``,
+  ``add_dataloader_idx=False``) with ``val_check_interval=0.5``; an HF GPT-2 and Llama with
+  ``resize_token_embeddings(129)`` (not divisible by tp) before fit: DDP's (no change needed).
 """
 import math
 from pathlib import Path
@@ -210,9 +211,12 @@ def test_backbone_finetuning_with_a_whole_stage_in_the_backbone_is_refused_at_pp
 
 
 @pytest.mark.xfail(strict=True, reason="the obstacle: the user's configure_optimizers builds torch's optimizer "
-                   "from the trainable parameters, none of them on stage 0, and torch refuses an empty list before "
-                   "the callback's later unfreeze_and_add_param_group could fill it; a placeholder parameter would "
-                   "enter the module's state_dict and the checkpoints' optimizer keys")
+                   "from the trainable parameters, none of them on stage 0, and torch refuses the empty list before the "
+                   "callback's later unfreeze_and_add_param_group could fill it. An empty stand-in parameter yielded "
+                   "while configure_optimizers runs was tried: BaseFinetuning maps every optimizer parameter to a "
+                   "name of pl_module.named_parameters() at each epoch start (KeyError on the stand-in) and back on "
+                   "restore, so it would have to be a registered parameter, in the module's state_dict and the "
+                   "checkpoint layout; and the callback's state, saved once from rank 0, names stage 0's parameters")
 def test_backbone_finetuning_with_a_whole_stage_in_the_backbone_at_pp2_is_ddps():
     ours, ref = _pair("pp2-bert", "backbone-finetuning-bert")
     assert ours["raised"] is None

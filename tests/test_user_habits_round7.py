@@ -11,7 +11,8 @@ One launch per layout of tests/scripts/habits_round7.py runs every habit one aft
   checked the already split module as a user's model; now it takes over the earlier split,
   ``second_fit.py``); with tp and pp exchanged it is refused, naming the checkpoint route (tp2 then
   pp2 silently ran tp2 again), and that route (``save_checkpoint``, ``consolidate`` into a fresh
-  module, fit on the other layout) gives DDP's losses;
+  module, fit on the other layout) gives DDP's losses; ``save_checkpoint`` then a new Trainer's
+  ``fit(model, ckpt_path=...)`` of the same instance continues as an uninterrupted run;
 * after fit, on rank 0: ``model(batch)`` (it hung at tp2: the forward's collectives wait for rank 1) and
   ``model.state_dict()`` (rank 0's shards and stage, silently) are refused outside a Trainer run, naming
   ``save_checkpoint`` + ``consolidate`` and ``export_hf`` (``outside_run_guard.py``), and
@@ -37,7 +38,7 @@ from tests.helpers.habit_launches import Launches, close as _close
 SCRIPT = Path(__file__).parent / "scripts" / "habits_round7.py"
 pytestmark = pytest.mark.slow
 
-AFTER_FIT = ["evaluate-after-fit", "second-fit", "second-fit-other-layout", "second-fit-via-checkpoint",
+AFTER_FIT = ["evaluate-after-fit", "second-fit", "second-fit-other-layout", "second-fit-via-checkpoint", "second-fit-resumed",
              "forward-rank-zero", "state-dict-rank-zero", "deepcopy-rank-zero", "save-pretrained-rank-zero",
              "plain-trainer-rank-zero", "new-trainer-test", "pickle-rank-zero"]
 MORE = ["base-finetuning", "backbone-finetuning", "plateau-monitor-clip-value", "two-val-loaders",
@@ -103,6 +104,16 @@ def test_second_fit_on_another_layout_is_refused_naming_the_checkpoint_route(lay
 @pytest.mark.parametrize("layout", SPLIT)
 def test_second_fit_on_another_layout_through_a_consolidated_checkpoint(layout):
     _close(*(r["losses"] for r in _pair(layout, "second-fit-via-checkpoint")))
+
+
+@pytest.mark.parametrize("layout", SPLIT)
+def test_save_checkpoint_then_a_new_trainers_fit_with_ckpt_path_continues_exactly(layout):
+    """The same instance resumed by a new Trainer: the steps of an uninterrupted run (megastrategy
+    resumes at the next unseen batch; DDP's own resume restarts the epoch's loader, documented)."""
+    ours, ref = _pair(layout, "second-fit-resumed")
+    _close(ours["losses"], ref["uninterrupted"])
+    _close(ours["uninterrupted"], ref["uninterrupted"])
+    assert abs(ref["losses"][2] - ref["uninterrupted"][2]) > 0.1  # DDP restarted its loader
 
 
 @pytest.mark.parametrize("layout", SPLIT)

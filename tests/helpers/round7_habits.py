@@ -111,6 +111,25 @@ def second_fit_via_checkpoint(args, workdir):
 HABITS["second-fit-via-checkpoint"] = second_fit_via_checkpoint
 
 
+def second_fit_resumed(args, workdir):
+    """``trainer.save_checkpoint`` after 2 steps, then a new Trainer's ``fit(model, ckpt_path=...)`` of
+    the same instance to step 4 (a script that trains on after checking something)."""
+    first, second = StepLosses(), StepLosses()
+    module = GPT(batch_size=8 // args.dp)
+    t = trainer(args, [first], max_steps=2, limit_val_batches=0)
+    t.fit(module)
+    path = str(workdir / ("phase1.ckpt" if args.strategy == "ddp" else "phase1"))
+    t.save_checkpoint(path)
+    trainer(args, [second], max_steps=4, limit_val_batches=0).fit(module, ckpt_path=path)
+    whole = StepLosses()
+    L.seed_everything(7, verbose=False)
+    trainer(args, [whole], max_steps=4, limit_val_batches=0).fit(GPT(batch_size=8 // args.dp))
+    return {"losses": first.losses + second.losses, "uninterrupted": whole.losses}
+
+
+HABITS["second-fit-resumed"] = second_fit_resumed
+
+
 # ---------------------------------------------------------------- 2. the module outside the Trainer
 def _fitted(args):
     losses, module = StepLosses(), GPT(batch_size=8 // args.dp)

@@ -31,7 +31,7 @@ def adopt_earlier_split(strategy: Any, module: Any) -> None:
     earlier = record.strategy
     if earlier.lightning_module is not module:
         raise MegatronConfigError(
-            f"trainer.fit of a copy (copy.deepcopy) of a {type(module).__name__} an earlier MegatronStrategy split: the "
+            f"a Trainer's run of a copy (copy.deepcopy) of a {type(module).__name__} an earlier MegatronStrategy split: the "
             "copy holds the original's shards, and the strategy's parts (process groups, pipeline stage, gradient "
             "buffers) belong to the original. What works: fit the original module, or build a fresh module and load "
             "a consolidated checkpoint into it (trainer.save_checkpoint('ckpt'), then "
@@ -48,8 +48,8 @@ def _refusal(module: Any, before: Any, now: Any) -> str:
     changed = [f"{f.name}={getattr(before, f.name)!r} -> {getattr(now, f.name)!r}" for f in dataclasses.fields(before)
                if getattr(before, f.name) != getattr(now, f.name)]
     name = type(module).__name__
-    return (f"trainer.fit({name}) with a new MegatronStrategy that differs from the one an earlier fit split this "
-            f"{name} instance with ({', '.join(changed)}): the module was split in place by the first fit (its "
+    return (f"a new Trainer's fit/validate/test/predict of {name} with a MegatronStrategy that differs from the one an "
+            f"earlier fit split this {name} instance with ({', '.join(changed)}): the module was split in place by the first fit (its "
             "layers are this rank's shards, other stages' layers are placeholders) and cannot be split again. "
             "What works: a new Trainer with MegatronStrategy of the same arguments on this instance; or, for another "
             "layout, trainer.save_checkpoint('phase1') at the end of the first phase (every rank), then a fresh "

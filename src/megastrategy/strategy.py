@@ -12,8 +12,8 @@ rewrite the model; gradient buffers and optimizers) → steps → ``teardown``.
 from __future__ import annotations
 
 import logging
-from contextlib import ExitStack
-from typing import TYPE_CHECKING, Any, Callable, Optional, TypeVar
+from contextlib import ExitStack, nullcontext
+from typing import TYPE_CHECKING, Any, Callable, ContextManager, Optional, TypeVar
 
 import torch
 from lightning.fabric.utilities.distributed import _init_dist_connection
@@ -26,6 +26,7 @@ from torch import nn
 from megastrategy import all_components as parts
 from megastrategy.callback_adapters import adapt_callbacks
 from megastrategy.callback_guard import refuse_callbacks
+from megastrategy.checkpoint.save_pretrained_guard import sharding_of
 from megastrategy.checkpoint.strategy_methods import CheckpointMethods
 from megastrategy.component import Component, Environment, SetupContext
 from megastrategy.component_list import ComponentList
@@ -35,11 +36,14 @@ from megastrategy.ddp.user_clip import UserNormClipping, parameter_ids
 from megastrategy.parallel_state import ParallelLayout, ParallelState
 from megastrategy.pipeline.frozen_stage import explain_empty_optimizer
 from megastrategy.pipeline.step_runner import StepRunner
+from megastrategy.outside_run_guard import guard_outside_runs
 from megastrategy.rank_zero import log_on_rank_zero
 from megastrategy.lightning_steps import LightningStepMethods
 from megastrategy.precision import adopt_precision_plugin
 from megastrategy.replica_collectives import ReplicaCollectives
 from megastrategy.replicas import broadcast_module_states, set_metric_process_group
+from megastrategy.second_fit import adopt_earlier_split
+from megastrategy.split_record import attach_record, record_of
 from megastrategy.signature import passthrough_arguments, signature_from
 from megastrategy.unstepped_grads import clear_unstepped_grads
 
@@ -128,6 +132,7 @@ class MegatronStrategy(LightningStepMethods, CheckpointMethods, ReplicaCollectiv
         _init_dist_connection(self.cluster_environment, self._process_group_backend, timeout=self._timeout)
 
     def setup_environment(self) -> None:
+        adopt_earlier_split(self, self.lightning_module)  # a new Trainer's fit of a module split before
         self.layout = self._make_layout()
         self.components.each("check_device", self.root_device)
         self._validate_model()  # model errors also come before the first collective
@@ -180,6 +185,7 @@ class MegatronStrategy(LightningStepMethods, CheckpointMethods, ReplicaCollectiv
             self.components.each("apply", module, self._ctx)
             module._megastrategy_sharded = True
             set_metric_process_group(module, ps.dp_group)
+            guard_outside_runs(module, attach_record(module, self), sharding_of(ps))
         if self._runner is None or not sharded:
             self._runner = StepRunner.build(self._ctx, self.components)
         self.precision_plugin.convert_module(self.model)
@@ -295,7 +301,14 @@ class MegatronStrategy(LightningStepMethods, CheckpointMethods, ReplicaCollectiv
 
     def lightning_module_state_dict(self) -> dict[str, Any]:
         self.wait_for_param_gather()
-        return super().lightning_module_state_dict()
+        with self.module_in_use():  # trainer.save_checkpoint after fit
+            return super().lightning_module_state_dict()
+
+    def module_in_use(self) -> ContextManager[None]:
+        """A span in which the split module is used on every rank outside a Trainer run (a save or
+        export after fit): its forward and ``state_dict`` are refused elsewhere (outside_run_guard.py)."""
+        record = record_of(self.lightning_module)
+        return record.use() if record is not None else nullcontext()
 
     def on_validation_start(self) -> None:
         self.wait_for_param_gather()

@@ -37,6 +37,31 @@ def leave_without_static_destructors() -> None:
     os._exit(0)
 
 
+def run_each(names: list[str], train_one, out: str, record_errors: bool = True) -> None:
+    """Train each named model in turn in this process (``train_one(name)`` gives its result); rank 0
+    writes ``{name: result}`` to ``out``, then leave (:func:`leave_without_static_destructors`).
+
+    With ``record_errors`` an exception becomes ``{"error": type, "message": text}`` and the next model
+    runs: a refusal is part of what the matrix scripts test."""
+    import json
+    import traceback
+    from pathlib import Path
+
+    env, results = launcher_env(), {}
+    for name in names:
+        os.environ.update(env)  # Lightning's teardown removes the launcher's variables
+        try:
+            results[name] = train_one(name)
+        except Exception as error:  # noqa: BLE001 - recorded, see above
+            if not record_errors:
+                raise
+            traceback.print_exc()
+            results[name] = {"error": type(error).__name__, "message": str(error)}
+    if int(os.environ.get("RANK", "0")) == 0:
+        Path(out).write_text(json.dumps(results, indent=1))
+    leave_without_static_destructors()
+
+
 def short_fit_trainer(args: argparse.Namespace, callbacks: list, max_steps: int, **megatron: object):
     """A quiet ``Trainer`` for a few steps, one validation at the end, no logger or checkpoints, on
     Lightning's ``DDPStrategy`` or ``MegatronStrategy(tp, pp, **megatron)`` as ``args`` say."""

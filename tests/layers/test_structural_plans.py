@@ -136,6 +136,7 @@ def test_plan_report_names_the_structural_source():
     report = plan_report(model, resolve_tp_plan(model, None, 2))
     assert "model.layers.*.self_attn.query_key_value" in report
     assert "structural (persimmon: traced data flow)" in report
+    assert report.splitlines()[-1].startswith("note: this is the plan before the block check")  # not what runs
 
 
 def test_megastrategy_plan_traces_a_meta_device_model():

@@ -64,3 +64,20 @@ def test_encoder_decoders_train_like_one_device(layout):
         assert list(got) == list(want), f"{name}: the consolidated checkpoint's keys differ from the state_dict's"
         worst = max((got[k] - want[k]).abs().max().item() for k in want)
         assert worst < WEIGHTS_TOL, f"{name}: the consolidated weights differ by {worst:.2e}"
+
+
+@pytest.mark.parametrize("resumed_on", [(2, ("--tp", "2", "--pp", "1")), (1, ("--pp", "1"))], ids=["tp2", "one-rank"])
+def test_a_pp2_encoder_decoder_checkpoint_resumes_on_another_layout(resumed_on):
+    """T5 and BART saved after 2 steps at pp2 (each stage holds part of the encoder or decoder, T5's
+    shared embedding on both) continue on tp2 or one rank with the steps an uninterrupted run takes."""
+    saved = f"{WEIGHTS}/saved-pp2"
+    if not Path(saved).exists():
+        run_script(SCRIPT, 2, ["--strategy", "megatron", "--models", "t5,bart", "--pp", "2", "--steps", "2",
+                               "--save", saved], timeout=500)
+    nprocs, layout = resumed_on
+    resumed = run_script(SCRIPT, nprocs, ["--strategy", "megatron", "--models", "t5,bart", *layout, "--steps", "4",
+                                          "--resume", saved], timeout=500)
+    straight = _run(1, "ddp", ALL, "--weights", f"{WEIGHTS}/ref")
+    for name in ("t5", "bart"):
+        got, want = resumed[name]["train"], straight[name]["train"][2:]
+        assert len(got) == 2 and max(abs(a - b) for a, b in zip(got, want)) < TOL, (name, got, want)

@@ -84,11 +84,13 @@ def test_a_model_without_hugging_face_keeps_registration_order():
 
 
 def test_the_dry_run_sees_every_architecture_of_the_pipeline_matrix():
+    from megastrategy.pipeline.direct_forward import route_direct_forward_calls
     from tests.scripts.train_hf_stages import ARCHITECTURES, HFModule
 
     for name in ARCHITECTURES:
         module = HFModule(name)
-        path, _ = find_layer_stack(module)
+        path, stack = find_layer_stack(module)
+        route_direct_forward_calls(stack)  # as the pipeline component does first (SqueezeBERT calls layer.forward)
         order = record_forward_order(module, path)
         assert order is not None and order.carried == (((1, "position_bias"),) if name == "t5-encoder" else ()), name
         assert len(order.stack_calls) == 4, (name, order.stack_calls)

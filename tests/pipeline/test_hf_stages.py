@@ -5,7 +5,8 @@ pp4) with the per-step losses of Lightning's DDPStrategy on one process, from th
 One launch per layout trains all its models (tests/scripts/train_hf_stages.py). The matrix covers
 what used to fail: OPT and XLM-R call modules in another order than they register them, ALBERT
 applies one shared block N times, rotary models compute position embeddings before the stack, and
-T5's encoder blocks hand each other the position bias block 0 computes. DeBERTa-v2 is left out: every layer
+T5's encoder blocks hand each other the position bias block 0 computes, and SqueezeBERT calls its blocks'
+``forward`` directly (no hooks) and gets a dict from each. DeBERTa-v2 is left out: every layer
 reads its shared ``rel_embeddings.weight``, which stages refuse (tests/pipeline/test_stage.py).
 """
 from functools import lru_cache
@@ -23,7 +24,7 @@ ALL = ("bert", "roberta", "xlm-roberta", "distilbert", "electra", "albert", "cam
        "opt", "gpt2", "gpt-neox", "llama", "gemma", "phi3", "qwen2", "mistral", "t5-encoder",
        # decoders that declare base_model_tp_plan, then two that declare none
        "qwen3", "gemma2", "phi", "olmo", "olmo2", "granite", "cohere", "starcoder2", "glm", "helium", "smollm3",
-       "stablelm", "falcon", "persimmon")
+       "stablelm", "falcon", "persimmon", "squeezebert")
 FEW = ("albert", "opt", "xlm-roberta", "llama", "t5-encoder")
 LAYOUTS = {  # name: (processes, strategy arguments, models)
     "pp2": (2, ("--pp", "2"), ALL),

@@ -7,7 +7,6 @@ Launched on N processes by tests/helpers/launch.py (``--strategy ddp`` on one is
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 from pathlib import Path
@@ -18,9 +17,10 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 import lightning as L  # noqa: E402
 import torch  # noqa: E402
 import transformers  # noqa: E402
-from lightning.pytorch.callbacks import Callback  # noqa: E402
 from lightning.pytorch.strategies import DDPStrategy  # noqa: E402
 from torch.utils.data import DataLoader, Dataset  # noqa: E402
+
+from tests.helpers.script_args import run_each, step_losses_callback  # noqa: E402
 
 VOCAB, SEQ, LAYERS = 128, 12, 4
 COMMON = dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=LAYERS, num_attention_heads=4, intermediate_size=64,
@@ -62,6 +62,8 @@ ARCHITECTURES = {  # name: (config class, auto class, config arguments beyond CO
     "falcon": ("FalconConfig", LM, dict(new_decoder_architecture=True, num_attention_heads=8, num_kv_heads=2,
                                         alibi=False)),
     "persimmon": ("PersimmonConfig", LM, dict(qk_layernorm=True)),
+    # its encoder calls ``layer.forward(...)`` (no hooks) and its blocks return a dict
+    "squeezebert": ("SqueezeBertConfig", CLS, dict(embedding_size=32)),
     # no loss of its own: the module adds a head (its blocks hand each other T5's position bias)
     "t5-encoder": ("T5Config", "T5EncoderModel", dict(d_model=32, d_ff=64, num_layers=LAYERS, num_heads=4, d_kv=8)),
 }
@@ -117,14 +119,6 @@ class HFModule(L.LightningModule):
         return DataLoader(Tokens(), batch_size=4)
 
 
-class Losses(Callback):
-    def __init__(self):
-        self.losses = []
-
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        self.losses.append(float(outputs["loss"]))
-
-
 def train(name: str, args) -> list[float]:
     L.seed_everything(7, verbose=False)
     module = HFModule(name)
@@ -134,7 +128,7 @@ def train(name: str, args) -> list[float]:
         from megastrategy import MegatronStrategy
 
         strategy = MegatronStrategy(pp=args.pp, vp=args.vp, heartbeat_timeout=60.0)
-    losses = Losses()
+    losses = step_losses_callback()
     trainer = L.Trainer(accelerator="cpu", devices=args.devices, strategy=strategy, max_steps=args.steps,
                         callbacks=[losses], logger=False, enable_progress_bar=False, enable_model_summary=False,
                         enable_checkpointing=False)
@@ -151,19 +145,9 @@ def main() -> None:
     p.add_argument("--vp", type=int, default=None)
     p.add_argument("--steps", type=int, default=4)
     args = p.parse_args()
-    args.devices, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])  # read once: a fit may change them
+    args.devices = int(os.environ["WORLD_SIZE"])  # read once: a fit may change it
     torch.set_num_threads(1)
-    result = {}
-    for name in args.models.split(","):
-        try:
-            result[name] = train(name, args)
-        except Exception as error:  # noqa: BLE001 - recorded: a refusal is part of what is tested
-            result[name] = {"error": type(error).__name__, "message": str(error)}
-    if rank == 0:
-        Path(args.out).write_text(json.dumps(result))
-    sys.stdout.flush()
-    torch.distributed.barrier() if torch.distributed.is_initialized() else None
-    os._exit(0)
+    run_each(args.models.split(","), lambda name: train(name, args), args.out)
 
 
 if __name__ == "__main__":

@@ -8,10 +8,8 @@ processes by tests/helpers/launch.py (``--strategy ddp`` on one is the reference
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
-import traceback
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
@@ -20,9 +18,10 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 import lightning as L  # noqa: E402
 import torch  # noqa: E402
 import transformers  # noqa: E402
-from lightning.pytorch.callbacks import Callback  # noqa: E402
 from lightning.pytorch.strategies import DDPStrategy  # noqa: E402
 from torch.utils.data import DataLoader, Dataset  # noqa: E402
+
+from tests.helpers.script_args import run_each, step_losses_callback  # noqa: E402
 
 VOCAB, SRC, TGT = 96, 10, 6
 BART_LIKE = dict(d_model=32, encoder_layers=4, decoder_layers=4, encoder_attention_heads=4, decoder_attention_heads=4,
@@ -111,14 +110,6 @@ class Seq2SeqModule(L.LightningModule):
         return DataLoader(self.data(8, seed=5), batch_size=4)
 
 
-class Losses(Callback):
-    def __init__(self):
-        self.losses = []
-
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        self.losses.append(float(outputs["loss"]))
-
-
 def train(name: str, args) -> dict:
     L.seed_everything(7, verbose=False)
     module = Seq2SeqModule(name)
@@ -130,12 +121,14 @@ def train(name: str, args) -> dict:
         strategy = MegatronStrategy(tp=args.tp, pp=args.pp, vp=args.vp, pipeline_schedule=args.schedule,
                                     num_microbatches=args.microbatches,
                                     heartbeat_timeout=60.0)
-    losses = Losses()
+    losses = step_losses_callback()
     trainer = L.Trainer(accelerator="cpu", devices=args.devices, strategy=strategy, max_steps=args.steps,
                         callbacks=[losses], logger=False, enable_progress_bar=False, enable_model_summary=False,
                         enable_checkpointing=False, num_sanity_val_steps=0, limit_val_batches=2,
                         val_check_interval=args.steps)
-    trainer.fit(module)
+    trainer.fit(module, ckpt_path=str(Path(args.resume) / name) if args.resume else None)
+    if args.save:  # the strategy's own checkpoint (or DDP's), for a run on another layout to resume
+        trainer.save_checkpoint(str(Path(args.save) / name))
     result = {"train": losses.losses, "val": float(trainer.callback_metrics["val_loss"])}
     if args.weights:  # the final weights, whole: the strategy's checkpoint consolidated, or DDP's own
         result["weights"] = _final_weights(trainer, module, Path(args.weights) / name, args.strategy)
@@ -170,21 +163,12 @@ def main() -> None:
     p.add_argument("--microbatches", type=int, default=None)
     p.add_argument("--weights", help="a folder: save each model's final weights there, whole")
     p.add_argument("--steps", type=int, default=4)
+    p.add_argument("--save", help="a folder: save each model's checkpoint there after the fit")
+    p.add_argument("--resume", help="a folder of --save's checkpoints: resume each model's fit from its own")
     args = p.parse_args()
-    args.devices, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])  # read once: a fit may change them
+    args.devices = int(os.environ["WORLD_SIZE"])  # read once: a fit may change it
     torch.set_num_threads(1)
-    result = {}
-    for name in args.models.split(","):
-        try:
-            result[name] = train(name, args)
-        except Exception as error:  # noqa: BLE001 - recorded: a refusal is part of what is tested
-            traceback.print_exc()
-            result[name] = {"error": type(error).__name__, "message": str(error)}
-    if rank == 0:
-        Path(args.out).write_text(json.dumps(result))
-    sys.stdout.flush()
-    torch.distributed.barrier() if torch.distributed.is_initialized() else None
-    os._exit(0)
+    run_each(args.models.split(","), lambda name: train(name, args), args.out)
 
 
 if __name__ == "__main__":

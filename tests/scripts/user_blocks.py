@@ -8,7 +8,6 @@ Launched by tests/helpers/launch.py: ``--strategy ddp`` on one process (the refe
 """
 from __future__ import annotations
 
-import json
 import logging
 import os
 import sys
@@ -22,7 +21,7 @@ import torch  # noqa: E402
 from lightning.pytorch.strategies import DDPStrategy  # noqa: E402
 from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 
-from tests.helpers.script_args import launcher_env, layout_parser, leave_without_static_destructors  # noqa: E402
+from tests.helpers.script_args import layout_parser, run_each  # noqa: E402
 from tests.helpers.user_gpts import SEQ, VOCAB, build  # noqa: E402
 
 BATCH, STEPS = 4, 3
@@ -94,15 +93,10 @@ def main() -> None:
     p.add_argument("--models", required=True, help="comma-separated names from tests/helpers/user_gpts.MODELS")
     args = p.parse_args()
     torch.set_num_threads(1)
-    world_size, rank, env = int(os.environ["WORLD_SIZE"]), int(os.environ.get("RANK", "0")), launcher_env()
-    results = {}
-    for name in args.models.split(","):
-        os.environ.update(env)
-        results[name] = train_one(name, args.strategy, args.tp, world_size)
-    if rank == 0:
-        Path(args.out).write_text(json.dumps(results, indent=1))
+    world_size = int(os.environ["WORLD_SIZE"])
+    run_each(args.models.split(","), lambda name: train_one(name, args.strategy, args.tp, world_size), args.out,
+             record_errors=False)
 
 
 if __name__ == "__main__":
     main()
-    leave_without_static_destructors()

@@ -7,8 +7,9 @@ entry points to it.
 """
 from __future__ import annotations
 
+from contextlib import nullcontext
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, ContextManager, Optional
 
 from megastrategy.checkpoint.dcp_io import remove_checkpoint_dir
 from megastrategy.checkpoint.sharded import MODEL
@@ -25,13 +26,18 @@ class CheckpointMethods:
     def wait_for_param_gather(self) -> None:
         """Finish background parameter gathers before parameters are read (the strategy's own)."""
 
+    def module_in_use(self) -> ContextManager[None]:
+        """A span in which every rank uses the split module after a fit (the strategy's own)."""
+        return nullcontext()
+
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath, storage_options: Optional[Any] = None) -> None:
         """Collective: every rank writes its own shards into the checkpoint directory ``filepath``."""
         if storage_options is not None:
             raise TypeError("MegatronStrategy.save_checkpoint: storage_options are not supported.")
         self.wait_for_param_gather()  # overlap_param_gather: the step's update in every parameter
         barrier = lambda: self.barrier("megastrategy.save_checkpoint")  # noqa: E731
-        self.checkpoints.save(self.lightning_module, lambda: list(self.optimizers), checkpoint, filepath, barrier)
+        with self.module_in_use():  # trainer.save_checkpoint after fit reads the module's tensors
+            self.checkpoints.save(self.lightning_module, lambda: list(self.optimizers), checkpoint, filepath, barrier)
 
     def load_checkpoint(self, checkpoint_path, weights_only: Optional[bool] = None) -> dict[str, Any]:
         """Collective: every rank reads the shards its layout needs, whatever layout wrote them."""
@@ -51,8 +57,9 @@ class CheckpointMethods:
         self.wait_for_param_gather()
         out = Path(out_dir)
         staging = out.with_name(out.name + ".staging")
-        self.checkpoints.save(self.lightning_module, lambda: [], {}, staging,
-                              lambda: self.barrier("megastrategy.export"))
+        with self.module_in_use():
+            self.checkpoints.save(self.lightning_module, lambda: [], {}, staging,
+                                  lambda: self.barrier("megastrategy.export"))
         self.checkpoints.wait_for_writes()  # with async_checkpoint=True the save returns before it is written
         try:
             if self.is_global_zero:

@@ -129,7 +129,16 @@ def plan_report(module: nn.Module, plan: ResolvedPlan, ep: int = 1) -> str:
     local, total = parameters_per_rank(module, plan)
     local -= not_held
     lines.append(f"parameters per rank: {local:,} of {total:,} ({100 * local / max(total, 1):.1f}%)")
+    if any(not e.source.startswith("tp_plan[") for e in plan.sharded):
+        lines.append(_CHECKED_AT_SETUP)
     return "\n".join(lines)
+
+
+# the report reads the plan on one process; the block check needs the tensor-parallel ranks
+_CHECKED_AT_SETUP = (
+    "note: this is the plan before the block check. At setup each auto-detected block is sharded on a copy and "
+    "run on its ranks; a block whose copy does not compute what the original does is kept whole (one warning "
+    "names it and its share of the parameters). `megastrategy check` runs the layout and prints that warning.")
 
 
 def report_for(target: str, tp: int, task: str = "lm", tp_plan: Any = None, ep: int = 1) -> str:

@@ -15,6 +15,7 @@ from megastrategy.component import Component, SetupContext
 from megastrategy.config import MegatronConfig
 from megastrategy.errors import MegatronConfigError
 from megastrategy.pipeline.batch_statistics import refuse_batch_statistics
+from megastrategy.pipeline.direct_forward import route_direct_forward_calls
 from megastrategy.pipeline.forward_order import ForwardOrder, loop_state_refusal, record_forward_order
 from megastrategy.pipeline.layer_assignment import assign_layers
 from megastrategy.pipeline.parallel_lists import refuse_parallel_lists
@@ -67,6 +68,7 @@ class Pipeline(Component):
             self._validate_seq2seq(module)
             return
         anatomy = ModelAnatomy.of(module, self.pipeline_layers)
+        route_direct_forward_calls(anatomy.stack)  # before the dry runs, which find the cut through hooks
         if self.pipeline_layers is None:  # a list the user named is taken as it is
             refuse_parallel_lists(module, anatomy.stack_path, self.pp)
         order = self._forward_order(module, anatomy.stack_path)
@@ -124,6 +126,7 @@ class Pipeline(Component):
         ps, order = ctx.parallel_state, self._order
         called = order.called if order is not None else None
         anatomy = ModelAnatomy.of(module, ctx.stack_path, called)  # after TP/SP/recompute rewrote the blocks
+        route_direct_forward_calls(anatomy.stack)  # a block recompute wrapped is a new module
         stack_calls = order.stack_calls if order is not None and order.reuses_blocks else None
         ctx.stage = cut_stage(
             module,

@@ -45,7 +45,8 @@ class ForwardOrder:
     # previous block's outputs besides the hidden state (output 0), e.g. T5's ``position_bias``
     loop_state: tuple[tuple[int, str, Any, Any], ...] = ()  # (application, argument, its value, the
     # first application's): plain arguments the forward's loop changes from block to block
-    block_arity: Optional[int] = None  # a block's outputs when it returns a tuple, 0 for a bare tensor; None: unseen
+    block_arity: Optional[int | tuple[str, ...]] = None  # a block's outputs when it returns a tuple, 0 for a
+    # bare tensor, the keys of a plain dict (SqueezeBERT's ``{"feature_map": ...}``); None: unseen
 
     @property
     def reuses_blocks(self) -> bool:
@@ -282,14 +283,14 @@ def loop_state_refusal(order: Optional[ForwardOrder], stack_path: str, assignmen
     return None
 
 
-def _watch_arity(stack: nn.ModuleList, handles: list) -> list[Optional[int]]:
+def _watch_arity(stack: nn.ModuleList, handles: list) -> list[int | tuple[str, ...]]:
     """A hook that records how many outputs the first block call returns as a tuple (0 for a bare
-    tensor or anything else), so placeholders of skipped blocks return the same."""
-    seen: list[Optional[int]] = []
+    tensor or anything else; a plain dict's keys), so placeholders of skipped blocks return the same."""
+    seen: list[int | tuple[str, ...]] = []
 
     def after(block, args, output):
         if not seen:
-            seen.append(len(output) if isinstance(output, tuple) else 0)
+            seen.append(len(output) if isinstance(output, tuple) else tuple(output) if type(output) is dict else 0)
 
     for block in stack:
         handles.append(block.register_forward_hook(after))

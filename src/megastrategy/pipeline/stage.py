@@ -488,7 +488,7 @@ def cut_stage(
     stack_calls: Optional[tuple[int, ...]] = None,
     carried: tuple[tuple[int, str], ...] = (),
     placement: Optional[StagePlacement] = None,
-    block_arity: Optional[int] = None,
+    block_arity: Optional[int | tuple[str, ...]] = None,
     router_logits: Optional[RouterLogitsCarry] = None,
 ) -> PipelineStage:
     """Rewrite ``module`` in place into this rank's stage and return the handle that drives it.

@@ -28,7 +28,7 @@ from megastrategy.context import hooks
 from megastrategy.context.attention_dispatch import ActiveSplit, hf_attention
 from megastrategy.context.function_mode import ContextParallelMode
 from megastrategy.context.gather import gather_sequence
-from megastrategy.context.hf_integration import HFAttentionSwitch, hf_pretrained_models
+from megastrategy.context.hf_integration import HFAttentionSwitch, causal_lm_loss, hf_pretrained_models
 from megastrategy.context.microbatch import split_microbatch
 from megastrategy.context.ring import Ring
 from megastrategy.context.validation import gather_point, resolve_layout, resolve_output, validate
@@ -67,7 +67,7 @@ class ContextParallel:
         validate(model, self.size, self.layout_choice, self.output_choice)
         self.layout = resolve_layout(model, self.layout_choice)
         self.output = resolve_output(model, self.output_choice)
-        self._causal_lm = any(getattr(m, "loss_type", None) == "ForCausalLM" for _, m in hf_pretrained_models(model))
+        self._causal_lm = any(causal_lm_loss(m) for _, m in hf_pretrained_models(model))
         self._switch = HFAttentionSwitch(model, lambda module, *a, **kw: hf_attention(self._active, module, *a, **kw))
         for module in hooks.input_modules(model):
             hook = hooks.input_hook(self._current, module)

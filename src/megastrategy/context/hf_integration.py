@@ -9,6 +9,7 @@ positions instead.
 """
 from __future__ import annotations
 
+import inspect
 from typing import Callable
 
 from torch import nn
@@ -34,6 +35,29 @@ def hf_pretrained_models(model: nn.Module) -> list[tuple[str, nn.Module]]:
             if not any(name.startswith(outer + ".") or outer == "" for outer, _ in found):
                 found.append((name, module))
     return found
+
+
+def causal_lm_loss(module: nn.Module) -> bool:
+    """Whether a Hugging Face model computes its ``labels=`` loss with transformers' causal-LM loss,
+    which shifts the labels by one inside: under cp that shift must happen on the global sequence.
+
+    ``loss_type`` names the loss, except for classes whose name matches no loss (GPT-2's
+    ``*LMHeadModel``): their ``loss_type`` is None and ``self.loss_function`` falls back to the
+    causal-LM loss, so a forward that calls it is one too (missing them split GPT-2's targets
+    per rank: a silent 1.6e-2 loss difference at cp2).
+    """
+    if not hasattr(module, "config") or not hasattr(module, "loss_type"):
+        return False
+    from transformers.loss.loss_utils import LOSS_MAPPING
+
+    if getattr(module, "_loss_function", None) is not None:
+        return module._loss_function is LOSS_MAPPING["ForCausalLM"]
+    if module.loss_type in LOSS_MAPPING:
+        return module.loss_type == "ForCausalLM"
+    try:
+        return "self.loss_function(" in inspect.getsource(type(module).forward)
+    except (OSError, TypeError):
+        return False
 
 
 class HFAttentionSwitch:

@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from megastrategy.context.attention_dispatch import ActiveSplit
+from megastrategy.context.hf_integration import causal_lm_loss
 
 GetSplit = Callable[[], Optional[ActiveSplit]]
 
@@ -35,7 +36,7 @@ def _set_argument(bound: inspect.BoundArguments, signature, name: str, value) ->
 
 def input_hook(get_split: GetSplit, module: nn.Module) -> Callable:
     signature = inspect.signature(module.forward)
-    causal_lm = getattr(module, "loss_type", None) == "ForCausalLM"
+    causal_lm = causal_lm_loss(module)
     takes_shift = "shift_labels" in signature.parameters or _var_keyword(signature) is not None
 
     def hook(_module, args, kwargs):

@@ -13,6 +13,7 @@ from typing import Optional
 
 import torch
 
+from megastrategy.context.hf_masks import MaskMarkers, classify
 from megastrategy.context.masks import MaskRule
 from megastrategy.context.microbatch import MicrobatchState
 from megastrategy.context.ring import Ring
@@ -30,6 +31,7 @@ class ActiveSplit:
     ring: Ring
     where: str = "the model"  # the module running now, for error messages
     stack: list = field(default_factory=list)
+    masks: MaskMarkers = field(default_factory=MaskMarkers)  # the Hugging Face masks built in this forward
 
     def plan(self, causal: bool, window: Optional[int], padding: bool, scale: float) -> RingPlan:
         rule = MaskRule(causal, window, self.state.key_padding if padding else None)
@@ -53,21 +55,36 @@ class ActiveSplit:
             )
 
 
+def hf_mask(split: ActiveSplit, batch_size: int, q_length: int, kv_length: int, q_offset: int = 0, kv_offset: int = 0,
+            mask_function=None, **kwargs) -> torch.Tensor:
+    """Hugging Face mask-interface function: a marker for the rule of ``mask_function`` on the global
+    sequence (see hf_masks); padding comes from the split's whole attention mask, not the local one."""
+    from transformers.masking_utils import causal_mask_function
+
+    rule = classify(mask_function or causal_mask_function, split.state.layout.seq_len, split.where)
+    return split.masks.make(rule, batch_size, q_length)
+
+
 def hf_attention(split: ActiveSplit, module, query, key, value, attention_mask, dropout=0.0, scaling=None,
                  sliding_window=None, is_causal=None, **kwargs):
-    """Hugging Face attention-interface function; masks come from the split, not ``attention_mask``."""
+    """Hugging Face attention-interface function; masks come from the split: the rule of the mask the
+    model built (a marker from :func:`hf_mask`), else the module's ``is_causal``/``sliding_window``."""
     split.refuse_dropout(dropout, "Hugging Face attention")
     used = [name for name in UNSUPPORTED_HF_KWARGS if kwargs.get(name) is not None]
     if used:
         raise MegatronConfigError(f"attention in {split.where} passes {used}, which ring attention does not implement.")
-    if attention_mask is not None:
+    rule = split.masks.rule_of(attention_mask) if attention_mask is not None else None
+    if attention_mask is not None and rule is None:
         raise MegatronConfigError(
             f"attention in {split.where} received a prepared {tuple(attention_mask.shape)} mask tensor: with cp > 1 "
             "pass a 2-D padding attention_mask (batch, sequence) and let the model's causal/window rules apply."
         )
     split.check_local(query, key, "Hugging Face attention")
-    causal = is_causal if is_causal is not None else bool(getattr(module, "is_causal", True))
-    window = sliding_window if sliding_window is not None else getattr(module, "sliding_window", None)
+    if rule is not None:
+        causal, window = rule
+    else:
+        causal = is_causal if is_causal is not None else bool(getattr(module, "is_causal", True))
+        window = sliding_window if sliding_window is not None else getattr(module, "sliding_window", None)
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     out = ring_attention(query, key, value, split.plan(causal, window, padding=True, scale=scale))
     return out.transpose(1, 2).contiguous(), None

@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from megastrategy.context import hooks
-from megastrategy.context.attention_dispatch import ActiveSplit, hf_attention
+from megastrategy.context.attention_dispatch import ActiveSplit, hf_attention, hf_mask
 from megastrategy.context.function_mode import ContextParallelMode
 from megastrategy.context.gather import gather_sequence
 from megastrategy.context.hf_integration import HFAttentionSwitch, causal_lm_loss, hf_pretrained_models
@@ -68,7 +68,8 @@ class ContextParallel:
         self.layout = resolve_layout(model, self.layout_choice)
         self.output = resolve_output(model, self.output_choice)
         self._causal_lm = any(causal_lm_loss(m) for _, m in hf_pretrained_models(model))
-        self._switch = HFAttentionSwitch(model, lambda module, *a, **kw: hf_attention(self._active, module, *a, **kw))
+        self._switch = HFAttentionSwitch(model, lambda module, *a, **kw: hf_attention(self._active, module, *a, **kw),
+                                         lambda *a, **kw: hf_mask(self._active, *a, **kw))
         for module in hooks.input_modules(model):
             hook = hooks.input_hook(self._current, module)
             self._handles.append(module.register_forward_pre_hook(hook, with_kwargs=True))

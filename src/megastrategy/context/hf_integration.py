@@ -3,9 +3,9 @@
 transformers 5.x looks attention up by ``config._attn_implementation`` in
 ``ALL_ATTENTION_FUNCTIONS``. Each :class:`HFAttentionSwitch` registers one function under its
 own key and points the model's configs at it only while a split microbatch runs, so outside the
-forward context the model is exactly the user's. A key that has no mask function makes
-transformers skip building (local, hence wrong) masks; the ring builds them from global
-positions instead.
+forward context the model is exactly the user's. The key's mask function builds no (local, hence
+wrong) mask: it classifies the model's mask rule on global positions (hf_masks.py), and the ring
+builds the masks from global positions.
 """
 from __future__ import annotations
 
@@ -61,16 +61,19 @@ def causal_lm_loss(module: nn.Module) -> bool:
 
 
 class HFAttentionSwitch:
-    """Registers ``function`` under a key of its own; :meth:`enter`/:meth:`exit` switch the configs."""
+    """Registers ``function`` (attention) and ``mask_function`` (the masks transformers builds for it)
+    under a key of its own; :meth:`enter`/:meth:`exit` switch the configs."""
 
-    def __init__(self, model: nn.Module, function: Callable):
+    def __init__(self, model: nn.Module, function: Callable, mask_function: Callable):
         self.configs = hf_configs(model)
         self.key = f"megastrategy_context_parallel_{id(self):x}"
         self.saved: list[tuple[object, object]] = []
         if self.configs:
             from transformers import AttentionInterface
+            from transformers.masking_utils import AttentionMaskInterface
 
             AttentionInterface.register(self.key, function)
+            AttentionMaskInterface.register(self.key, mask_function)
 
     def enter(self) -> None:
         self.saved = [(config, config._attn_implementation_internal) for config in self.configs]
@@ -87,4 +90,7 @@ class HFAttentionSwitch:
         if self.configs:
             from transformers import AttentionInterface
 
+            from transformers.masking_utils import AttentionMaskInterface
+
             AttentionInterface._global_mapping.pop(self.key, None)
+            AttentionMaskInterface._global_mapping.pop(self.key, None)

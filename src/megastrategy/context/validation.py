@@ -10,6 +10,7 @@ import inspect
 from torch import nn
 
 from megastrategy.context.hf_integration import SUPPORTED_IMPLEMENTATIONS, hf_configs, hf_pretrained_models
+from megastrategy.context.sequence_mixers import check_sequence_mixers
 from megastrategy.errors import MegatronConfigError
 
 LAYOUT_CHOICES = ("auto", "balanced", "contiguous")
@@ -106,6 +107,7 @@ def validate(model: nn.Module, cp: int, layout: str = "auto", output: str = "aut
     if cp == 1:
         return
     _check_configs(model)
+    check_sequence_mixers(model)
     _check_attention_modules(model)
     if any(_checkpointing(m) for _, m in hf_pretrained_models(model)):
         raise MegatronConfigError(

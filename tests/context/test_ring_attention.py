@@ -13,12 +13,13 @@ import torch.nn.functional as F
 from tests.helpers.dist import run_distributed
 
 TOL = dict(rtol=2e-4, atol=2e-5)
-CASES = [  # (layout, causal, window, padding)
-    ("balanced", True, None, False),
-    ("balanced", True, 5, False),
-    ("balanced", True, 11, True),
-    ("contiguous", False, None, True),
-    ("contiguous", True, None, False),
+CASES = [  # (layout, causal, window, padding, value width; queries and keys are 8 wide)
+    ("balanced", True, None, False, 8),
+    ("balanced", True, 5, False, 8),
+    ("balanced", True, 11, True, 8),
+    ("contiguous", False, None, True, 8),
+    ("contiguous", True, None, False, 8),
+    ("balanced", True, 5, False, 5),  # multi-head latent attention: values narrower than keys
 ]
 
 
@@ -33,11 +34,11 @@ def reference_mask(seq: int, causal: bool, window, key_padding):
     return allowed & key_padding[:, None, None, :] if key_padding is not None else allowed
 
 
-def _inputs(seed: int, seq: int):
+def _inputs(seed: int, seq: int, v_dim: int = 8):
     gen = torch.Generator().manual_seed(seed)
     q = torch.randn(2, 4, seq, 8, generator=gen)
-    k, v = torch.randn(2, 2, seq, 8, generator=gen), torch.randn(2, 2, seq, 8, generator=gen)
-    grad = torch.randn(2, 4, seq, 8, generator=gen)
+    k, v = torch.randn(2, 2, seq, 8, generator=gen), torch.randn(2, 2, seq, v_dim, generator=gen)
+    grad = torch.randn(2, 4, seq, v_dim, generator=gen)
     padding = torch.ones(2, seq, dtype=torch.bool)
     padding[1, seq - 5 :] = False
     return q, k, v, grad, padding
@@ -51,8 +52,8 @@ def _check_case(rank, cp, case, seq, group=None):
     from megastrategy.context.ring import Ring
     from megastrategy.context.ring_attention import RingPlan, ring_attention
 
-    kind, causal, window, pad = case
-    q, k, v, grad, padding = _inputs(seed=len(str(case)), seq=seq)
+    kind, causal, window, pad, v_dim = case
+    q, k, v, grad, padding = _inputs(seed=len(str(case)), seq=seq, v_dim=v_dim)
     key_padding = padding if pad else None
     full = [t.clone().requires_grad_() for t in (q, k, v)]
     ref = F.scaled_dot_product_attention(*full, attn_mask=reference_mask(seq, causal, window, key_padding), enable_gqa=True)

@@ -40,7 +40,8 @@ def _rows(chunk) -> slice:
 
 def ring_forward(q, k, v, plan: RingPlan):
     ring = plan.ring
-    out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    # values may be narrower or wider than queries/keys (multi-head latent attention: 8 vs 12)
+    out = torch.zeros((*q.shape[:-1], v.shape[-1]), dtype=torch.float32, device=q.device)
     lse = torch.full(q.shape[:-1], NEG_INF, dtype=torch.float32, device=q.device)
     kv = [k, v]
     for step in range(ring.size):
@@ -64,7 +65,7 @@ def ring_backward(q, k, v, out, lse, dout, plan: RingPlan):
     for step in range(ring.size):
         kv_pending = ring.start(kv, TAG_KV) if step < ring.size - 1 else None
         dk = torch.zeros(k.shape, dtype=torch.float32, device=k.device)
-        dv = torch.zeros_like(dk)
+        dv = torch.zeros(v.shape, dtype=torch.float32, device=v.device)
         for q_chunk, k_chunk, mask in plan.pairs(ring.source(step), q.device):
             rows, keys = _rows(q_chunk), _rows(k_chunk)
             block_dq, block_dk, block_dv = block_backward(

@@ -73,6 +73,11 @@ class MaskMarkers:
         self.rules[id(marker)] = (marker, rule)
         return marker
 
+    def derived(self, tensor: torch.Tensor) -> bool:
+        """Whether ``tensor`` may be a marker or computed from one (``~mask[:, 0]``): an empty boolean
+        tensor while markers exist (used only to explain an operation that failed)."""
+        return bool(self.rules) and tensor.numel() == 0 and tensor.dtype == torch.bool
+
     def rule_of(self, mask: torch.Tensor) -> Optional[Rule]:
         """The rule behind ``mask`` (a marker or a view of one), None for any other tensor."""
         for candidate in (mask, getattr(mask, "_base", None)):

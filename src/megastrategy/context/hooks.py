@@ -58,9 +58,27 @@ def input_hook(get_split: GetSplit, module: nn.Module) -> Callable:
         if causal_lm and takes_shift and state.shift_labels is not None and isinstance(labels, torch.Tensor):
             if labels.shape == state.shift_labels.shape:
                 _set_argument(bound, signature, "shift_labels", state.shift_labels.to(labels.device))
-        return bound.args, bound.kwargs
+        return _call_arguments(bound, signature)
 
     return hook
+
+
+def _call_arguments(bound: inspect.BoundArguments, signature: inspect.Signature) -> tuple[tuple, dict]:
+    """``(args, kwargs)`` passing by keyword whatever may be: transformers' decorators (Whisper's
+    ``merge_with_config_defaults``) add keyword arguments, which collided with the same argument
+    re-passed by position ("got multiple values for argument 'use_cache'")."""
+    kinds = {name: p.kind for name, p in signature.parameters.items()}
+    if inspect.Parameter.VAR_POSITIONAL in kinds.values():
+        return bound.args, bound.kwargs
+    args, kwargs = [], {}
+    for name, value in bound.arguments.items():
+        if kinds[name] is inspect.Parameter.POSITIONAL_ONLY:
+            args.append(value)
+        elif kinds[name] is inspect.Parameter.VAR_KEYWORD:
+            kwargs.update(value)
+        else:
+            kwargs[name] = value
+    return tuple(args), kwargs
 
 
 def input_modules(model: nn.Module) -> list[nn.Module]:

@@ -11,9 +11,10 @@ each silently used the wrong positions at cp2 (the sweep, /work/notes/sweep_cp.m
   split: :func:`padding_numbered_positions`.
 * **Numbered from the local length inside the model** (BART-family decoders build
   ``arange(seq_len)`` and hand it to their position table): the hook sees ``position_ids``
-  that are a run ``c, c+1, ...`` of the local length, which global positions never are under
-  the balanced layout (two chunks per rank), and which start below the rank's first global
-  position under the contiguous one. Such a run is replaced by ``c +`` the global positions:
+  that are a run ``c, c+1, ...`` of the local length. The rank's global positions are a run
+  only when its chunks are adjacent (the contiguous layout; the middle rank of the balanced
+  one), and then it starts at the rank's first global position, which a run numbered from 0
+  starts below. Such a run is replaced by ``c +`` the global positions:
   :func:`globalize` (BART 3.4e-2, Pegasus 6.7e-3 off before).
 """
 from __future__ import annotations

@@ -26,3 +26,20 @@ def test_the_same_model_uncompiled_resolves_its_plan():
     component = TensorParallel(MegatronConfig(tp=2))
     component.validate(_holder(compiled=False), None)
     assert component.plan is not None and component.plan.tp_size == 2
+
+
+def _tied_bert_generation() -> torch.nn.Module:
+    """BertGeneration's head is tied to its embedding, which auto-detection refuses for tp > 1."""
+    from tests.helpers.hf_zoo import GENERIC, tiny_model
+
+    holder = torch.nn.Module()
+    holder.model = tiny_model(GENERIC + "bert-generation")
+    return holder
+
+
+def test_at_tp1_a_plan_auto_detection_refuses_is_empty_instead():
+    with pytest.raises(MegatronConfigError, match="is tied to"):
+        TensorParallel(MegatronConfig(tp=2)).validate(_tied_bert_generation(), None)
+    component = TensorParallel(MegatronConfig(tp=1, pp=2))  # pp2/cp2 runs shard nothing: not refused
+    component.validate(_tied_bert_generation(), None)
+    assert component.plan.tp_size == 1 and component.plan.entries == ()

@@ -35,7 +35,7 @@ class TensorParallel(Component):
         if self.tp > 1:
             _refuse_compiled(module, self.tp)
         if self.plan is None:
-            self.plan = resolve_tp_plan(module, self.tp_plan, self.tp)
+            self.plan = _resolve(module, self.tp_plan, self.tp)
 
     def apply(self, module: nn.Module, ctx: SetupContext) -> None:
         self.validate(module, None)
@@ -49,6 +49,18 @@ class TensorParallel(Component):
             verify_sharded_blocks(module, captured, group, self.tp)
         elif ctx.backend_in_use == "te":  # at tp=1 the plan marks what TE takes over
             apply_tp_plan(module, self.plan, group=group, rng_tracker=ctx.rng_tracker)
+
+
+def _resolve(module: nn.Module, tp_plan, tp: int) -> ResolvedPlan:
+    """The plan; at ``tp=1`` without a user ``tp_plan``, an empty one when auto-detection refuses:
+    nothing is sharded there, and a refusal that says to edit ``tp_plan`` stopped pp2 and cp2 runs
+    that use no tensor parallelism (a tied BERT-generation head, found by the cp sweep)."""
+    try:
+        return resolve_tp_plan(module, tp_plan, tp)
+    except MegatronConfigError:
+        if tp > 1 or tp_plan is not None:
+            raise
+        return ResolvedPlan(tp_size=1, entries=())
 
 
 def _refuse_compiled(module: nn.Module, tp: int) -> None:

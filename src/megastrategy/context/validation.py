@@ -82,15 +82,26 @@ def _check_attention_modules(model: nn.Module) -> None:
             )
         if "attention" not in type(module).__name__.lower() or type(module).__module__.startswith("torch."):
             continue
-        try:
-            source = inspect.getsource(type(module).forward)
-        except (OSError, TypeError):
-            source = ""
+        source = _class_source(type(module))
         if "softmax" in source and not any(word in source for word in INTERCEPTED):
             raise MegatronConfigError(
                 f"module '{name}' ({type(module).__name__}) computes attention with an explicit softmax, which cannot "
                 "see keys on other cp ranks. Call torch.nn.functional.scaled_dot_product_attention instead."
             )
+
+
+def _class_source(cls: type) -> str:
+    """The source of ``cls`` and its own bases (not torch's): the softmax may sit in a helper method
+    (GPT-Neo's ``_attn``), which checking ``forward`` alone found only at the first step."""
+    parts = []
+    for klass in cls.__mro__:
+        if klass.__module__.startswith(("torch.", "builtins")):
+            continue
+        try:
+            parts.append(inspect.getsource(klass))
+        except (OSError, TypeError):
+            continue
+    return "\n".join(parts)
 
 
 def _checkpointing(hf_model: nn.Module) -> bool:

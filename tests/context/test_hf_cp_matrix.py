@@ -33,10 +33,11 @@ TRAINED = {
 REFUSED_IN_SETUP = {
     "generic.jamba:lm": "layer_types[0]='linear_attention' (JambaConfig)",  # was within 2e-4 only by tiny weights
     "generic.lfm3:lm": "layer_types[0]='conv'",
+    "generic.falcon:lm": "(FalconAttention) picks its attention code by comparing config._attn_implementation",
+    "generic.gpt_neo:lm": "(GPTNeoSelfAttention) computes attention with an explicit softmax",  # in a helper method
 }
 #: refused at the first training step, at the call: model -> what the message must say
 REFUSED_AT_THE_CALL = {
-    "generic.falcon:lm": "(FalconAttention) reads the attention mask itself",  # eager ALiBi attention
     "generic.deepseek_v32:lm": "(DeepseekV32Indexer) reads the attention mask itself",  # sparse-attention indexer
 }
 

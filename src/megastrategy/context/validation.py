@@ -18,7 +18,8 @@ OUTPUT_CHOICES = ("auto", "tokens", "sequence")
 DROPOUT_FIELDS = ("attention_dropout", "attention_probs_dropout_prob", "attn_pdrop")
 SOFTCAP_FIELDS = ("attn_logit_softcapping",)
 SEQUENCE_HEADS = ("ForSequenceClassification", "ForMultipleChoice")
-INTERCEPTED = ("scaled_dot_product_attention", "ALL_ATTENTION_FUNCTIONS", "attention_interface")
+INTERFACE = ("ALL_ATTENTION_FUNCTIONS", "attention_interface")
+INTERCEPTED = ("scaled_dot_product_attention", *INTERFACE)
 
 
 def _choice(name: str, value, choices) -> None:
@@ -83,6 +84,14 @@ def _check_attention_modules(model: nn.Module) -> None:
         if "attention" not in type(module).__name__.lower() or type(module).__module__.startswith("torch."):
             continue
         source = _class_source(type(module))
+        if "_attn_implementation ==" in source and not any(word in source for word in INTERFACE):
+            raise MegatronConfigError(
+                f"module '{name}' ({type(module).__name__}) picks its attention code by comparing "
+                "config._attn_implementation with a name ('sdpa'), so under cp > 1 it takes its hand-written path (a "
+                "softmax over local keys with the model's own mask), which cannot see keys on other cp ranks. Ring "
+                "attention is reached through the Hugging Face attention interface or an unmasked "
+                "F.scaled_dot_product_attention call; use cp=1 for this model."
+            )
         if "softmax" in source and not any(word in source for word in INTERCEPTED):
             raise MegatronConfigError(
                 f"module '{name}' ({type(module).__name__}) computes attention with an explicit softmax, which cannot "

@@ -91,3 +91,45 @@ def _subgroup_cases(rank, world_size):
 
 def test_ring_attention_on_cp_subgroups():
     assert all(run_distributed(_subgroup_cases, 4, timeout=120))
+
+
+def _sink_reference(q, k, v, sinks, seq: int):
+    """Eager causal attention with one sink logit per head (transformers' GPT-OSS rule)."""
+    k, v = k.repeat_interleave(2, dim=1), v.repeat_interleave(2, dim=1)
+    scores = (q @ k.transpose(-1, -2)) * 8 ** -0.5
+    scores = scores.masked_fill(~reference_mask(seq, True, None, None), float("-inf"))
+    logits = torch.cat([scores, sinks.reshape(1, -1, 1, 1).expand(*scores.shape[:-1], 1)], dim=-1)
+    return torch.softmax(logits, dim=-1)[..., :-1] @ v
+
+
+def _sink_case(rank, world_size):
+    import torch.distributed as dist
+
+    from megastrategy.context.layout import SequenceLayout
+    from megastrategy.context.masks import MaskRule
+    from megastrategy.context.ring import Ring
+    from megastrategy.context.ring_attention import RingPlan, ring_attention
+
+    seq = 8 * world_size
+    q, k, v, grad, _ = _inputs(seed=7, seq=seq)
+    sinks = torch.randn(4, generator=torch.Generator().manual_seed(3))
+    full = [t.clone().requires_grad_() for t in (q, k, v, sinks)]
+    ref = _sink_reference(*full, seq)
+    ref.backward(grad)
+    layout = SequenceLayout("balanced", seq, world_size)
+    local = [layout.split(t, rank, dim=2).clone().requires_grad_() for t in (q, k, v)]
+    mine = sinks.clone().requires_grad_()
+    plan = RingPlan(Ring.of(dist.group.WORLD), layout, MaskRule(True, None, None), 8 ** -0.5)
+    out = ring_attention(*local, plan, sinks=mine)
+    out.backward(layout.split(grad, rank, dim=2))
+    torch.testing.assert_close(out, layout.split(ref, rank, dim=2), **TOL, msg="output with sinks")
+    for name, got, whole in zip("qkv", local, full):
+        torch.testing.assert_close(got.grad, layout.split(whole.grad, rank, dim=2), **TOL, msg=f"d{name} with sinks")
+    sink_grad = mine.grad.clone()
+    dist.all_reduce(sink_grad)  # every rank's rows use the sinks: their gradients add up
+    torch.testing.assert_close(sink_grad, full[3].grad, **TOL, msg="d sinks")
+    return True
+
+
+def test_ring_attention_applies_attention_sinks_exactly():
+    assert all(run_distributed(_sink_case, 2, timeout=120))

@@ -3,8 +3,9 @@
 Two entry points, both with the caller's own signature: the Hugging Face attention interface
 (``module, query, key, value, attention_mask, ...``, returning ``(output, weights)`` with the
 sequence before the heads) and ``F.scaled_dot_product_attention``. Anything that would make the
-split inexact (dropout on attention probabilities, soft-capping, attention sinks, a custom mask
+split inexact (dropout on attention probabilities, soft-capping, a position bias, a custom mask
 tensor, keys that are not the local sequence) is refused with what would work instead.
+Attention sinks (``s_aux``/``sinks``) are applied exactly from the ring's log-sum-exp.
 """
 from __future__ import annotations
 
@@ -20,7 +21,8 @@ from megastrategy.context.ring import Ring
 from megastrategy.context.ring_attention import RingPlan, ring_attention
 from megastrategy.errors import MegatronConfigError
 
-UNSUPPORTED_HF_KWARGS = ("softcap", "s_aux", "sinks", "position_bias", "attention_chunk_size")
+UNSUPPORTED_HF_KWARGS = ("softcap", "position_bias", "attention_chunk_size")
+SINK_KWARGS = ("s_aux", "sinks")  # one logit per head joining every row's softmax (GPT-OSS)
 
 
 @dataclass
@@ -86,7 +88,8 @@ def hf_attention(split: ActiveSplit, module, query, key, value, attention_mask, 
         causal = is_causal if is_causal is not None else bool(getattr(module, "is_causal", True))
         window = sliding_window if sliding_window is not None else getattr(module, "sliding_window", None)
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-    out = ring_attention(query, key, value, split.plan(causal, window, padding=True, scale=scale))
+    sinks = next((kwargs[name] for name in SINK_KWARGS if kwargs.get(name) is not None), None)
+    out = ring_attention(query, key, value, split.plan(causal, window, padding=True, scale=scale), sinks=sinks)
     return out.transpose(1, 2).contiguous(), None
 
 

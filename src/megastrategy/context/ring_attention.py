@@ -57,9 +57,13 @@ def ring_forward(q, k, v, plan: RingPlan):
     return out, lse
 
 
-def ring_backward(q, k, v, out, lse, dout, plan: RingPlan):
+def ring_backward(q, k, v, out, lse, dout, plan: RingPlan, dlse=None):
+    """``dlse``: the gradient reaching the log-sum-exp (attention sinks use it); a score's gradient
+    is ``P·(dP − delta)`` plus ``dlse·P``, i.e. ``delta`` lowered by ``dlse``."""
     ring = plan.ring
     delta = (dout.float() * out.float()).sum(dim=-1)
+    if dlse is not None:
+        delta = delta - dlse.float()
     dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     kv, grad_pending = [k, v], None
     for step in range(ring.size):
@@ -88,7 +92,8 @@ def ring_backward(q, k, v, out, lse, dout, plan: RingPlan):
 
 
 class RingAttentionFunction(torch.autograd.Function):
-    """Autograd wrapper: saves only q, k, v, the output and its log-sum-exp."""
+    """Autograd wrapper: saves only q, k, v, the output and its log-sum-exp; returns both (the
+    log-sum-exp is differentiable: attention sinks rescale the output with it)."""
 
     @staticmethod
     def forward(ctx, q, k, v, plan: RingPlan):
@@ -96,21 +101,29 @@ class RingAttentionFunction(torch.autograd.Function):
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.plan = plan
-        return out
+        return out, lse
 
     @staticmethod
-    def backward(ctx, dout):
+    def backward(ctx, dout, dlse):
         q, k, v, out, lse = ctx.saved_tensors
-        dq, dk, dv = ring_backward(q, k, v, out, lse, dout, ctx.plan)
+        dq, dk, dv = ring_backward(q, k, v, out, lse, dout, ctx.plan, dlse)
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None
 
 
-def ring_attention(query, key, value, plan: RingPlan) -> torch.Tensor:
-    """Attention for ``(batch, heads, local_len, dim)`` tensors; K/V may have fewer heads (GQA)."""
+def ring_attention(query, key, value, plan: RingPlan, sinks=None) -> torch.Tensor:
+    """Attention for ``(batch, heads, local_len, dim)`` tensors; K/V may have fewer heads (GQA).
+
+    ``sinks`` (one logit per query head, GPT-OSS's attention sinks): an extra key with no value in
+    every row's softmax, so the output is the ring's times ``Z / (Z + e^sink)`` = ``sigmoid(lse - sink)``.
+    """
     batch, heads, length, dim = query.shape
     kv_heads = key.shape[1]
     if heads % kv_heads:
         raise ValueError(f"{heads} query heads cannot share {kv_heads} key/value heads evenly")
     grouped = query.reshape(batch, kv_heads, heads // kv_heads, length, dim)
-    out = RingAttentionFunction.apply(grouped, key.contiguous(), value.contiguous(), plan)
-    return out.reshape(batch, heads, length, value.shape[-1])
+    out, lse = RingAttentionFunction.apply(grouped, key.contiguous(), value.contiguous(), plan)
+    out = out.reshape(batch, heads, length, value.shape[-1])
+    if sinks is None:
+        return out
+    kept = torch.sigmoid(lse.reshape(batch, heads, length) - sinks.float().reshape(1, heads, 1))
+    return (out.float() * kept[..., None]).to(out.dtype)

@@ -27,6 +27,7 @@ TRAINED = {
     "generic.whisper:lm": "a decorated decoder forward (use_cache passed twice: crashed)",
     "generic.bert-generation:lm": "a tied head tp auto-detection refuses (refused at tp=1)",
     "generic.gpt_oss:lm": "attention sinks from the ring's log-sum-exp, sliding layers (refused before)",
+    "generic.gemma2:lm": "soft-capped attention scores (refused before)",
     "generic.gpt_neox:lm": "partial rotary (representative)",
     "generic.gemma3_text:lm": "sliding and full layers (representative)",
 }

@@ -93,16 +93,20 @@ def test_ring_attention_on_cp_subgroups():
     assert all(run_distributed(_subgroup_cases, 4, timeout=120))
 
 
-def _sink_reference(q, k, v, sinks, seq: int):
-    """Eager causal attention with one sink logit per head (transformers' GPT-OSS rule)."""
+def _eager_reference(q, k, v, seq: int, sinks=None, softcap=None):
+    """Eager causal attention, with one sink logit per head (GPT-OSS) and/or soft-capped scores (Gemma 2)."""
     k, v = k.repeat_interleave(2, dim=1), v.repeat_interleave(2, dim=1)
     scores = (q @ k.transpose(-1, -2)) * 8 ** -0.5
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
     scores = scores.masked_fill(~reference_mask(seq, True, None, None), float("-inf"))
+    if sinks is None:
+        return torch.softmax(scores, dim=-1) @ v
     logits = torch.cat([scores, sinks.reshape(1, -1, 1, 1).expand(*scores.shape[:-1], 1)], dim=-1)
     return torch.softmax(logits, dim=-1)[..., :-1] @ v
 
 
-def _sink_case(rank, world_size):
+def _sinks_and_softcap_case(rank, world_size, softcap):
     import torch.distributed as dist
 
     from megastrategy.context.layout import SequenceLayout
@@ -112,14 +116,15 @@ def _sink_case(rank, world_size):
 
     seq = 8 * world_size
     q, k, v, grad, _ = _inputs(seed=7, seq=seq)
+    q = q * 4  # scores large enough for the cap to bend them
     sinks = torch.randn(4, generator=torch.Generator().manual_seed(3))
     full = [t.clone().requires_grad_() for t in (q, k, v, sinks)]
-    ref = _sink_reference(*full, seq)
+    ref = _eager_reference(*full[:3], seq, sinks=full[3], softcap=softcap)
     ref.backward(grad)
     layout = SequenceLayout("balanced", seq, world_size)
     local = [layout.split(t, rank, dim=2).clone().requires_grad_() for t in (q, k, v)]
     mine = sinks.clone().requires_grad_()
-    plan = RingPlan(Ring.of(dist.group.WORLD), layout, MaskRule(True, None, None), 8 ** -0.5)
+    plan = RingPlan(Ring.of(dist.group.WORLD), layout, MaskRule(True, None, None), 8 ** -0.5, softcap)
     out = ring_attention(*local, plan, sinks=mine)
     out.backward(layout.split(grad, rank, dim=2))
     torch.testing.assert_close(out, layout.split(ref, rank, dim=2), **TOL, msg="output with sinks")
@@ -131,5 +136,6 @@ def _sink_case(rank, world_size):
     return True
 
 
-def test_ring_attention_applies_attention_sinks_exactly():
-    assert all(run_distributed(_sink_case, 2, timeout=120))
+@pytest.mark.parametrize("softcap", [None, 2.0])
+def test_ring_attention_applies_attention_sinks_and_soft_capping_exactly(softcap):
+    assert all(run_distributed(_sinks_and_softcap_case, 2, softcap, timeout=120))

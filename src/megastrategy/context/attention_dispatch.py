@@ -3,9 +3,10 @@
 Two entry points, both with the caller's own signature: the Hugging Face attention interface
 (``module, query, key, value, attention_mask, ...``, returning ``(output, weights)`` with the
 sequence before the heads) and ``F.scaled_dot_product_attention``. Anything that would make the
-split inexact (dropout on attention probabilities, soft-capping, a position bias, a custom mask
+split inexact (dropout on attention probabilities, a position bias, a custom mask
 tensor, keys that are not the local sequence) is refused with what would work instead.
-Attention sinks (``s_aux``/``sinks``) are applied exactly from the ring's log-sum-exp.
+Attention sinks (``s_aux``/``sinks``) are applied exactly from the ring's log-sum-exp, and
+soft-capping (``softcap``) on every block's scores.
 """
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ from megastrategy.context.ring import Ring
 from megastrategy.context.ring_attention import RingPlan, ring_attention
 from megastrategy.errors import MegatronConfigError
 
-UNSUPPORTED_HF_KWARGS = ("softcap", "position_bias", "attention_chunk_size")
+UNSUPPORTED_HF_KWARGS = ("position_bias", "attention_chunk_size")
 SINK_KWARGS = ("s_aux", "sinks")  # one logit per head joining every row's softmax (GPT-OSS)
 
 
@@ -35,9 +36,9 @@ class ActiveSplit:
     stack: list = field(default_factory=list)
     masks: MaskMarkers = field(default_factory=MaskMarkers)  # the Hugging Face masks built in this forward
 
-    def plan(self, causal: bool, window: Optional[int], padding: bool, scale: float) -> RingPlan:
+    def plan(self, causal: bool, window: Optional[int], padding: bool, scale: float, softcap=None) -> RingPlan:
         rule = MaskRule(causal, window, self.state.key_padding if padding else None)
-        return RingPlan(self.ring, self.state.layout, rule, scale)
+        return RingPlan(self.ring, self.state.layout, rule, scale, softcap)
 
     def check_local(self, query: torch.Tensor, key: torch.Tensor, caller: str) -> None:
         local = self.state.layout.local_len
@@ -89,7 +90,8 @@ def hf_attention(split: ActiveSplit, module, query, key, value, attention_mask, 
         window = sliding_window if sliding_window is not None else getattr(module, "sliding_window", None)
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     sinks = next((kwargs[name] for name in SINK_KWARGS if kwargs.get(name) is not None), None)
-    out = ring_attention(query, key, value, split.plan(causal, window, padding=True, scale=scale), sinks=sinks)
+    plan = split.plan(causal, window, padding=True, scale=scale, softcap=kwargs.get("softcap"))
+    out = ring_attention(query, key, value, plan, sinks=sinks)
     return out.transpose(1, 2).contiguous(), None
 
 

@@ -9,6 +9,7 @@ contribution before a final hop delivers it to the block's owner.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 
@@ -24,6 +25,7 @@ class RingPlan:
     layout: SequenceLayout
     rule: MaskRule
     scale: float
+    softcap: Optional[float] = None  # Gemma 2's attention logit soft-capping
 
     def pairs(self, source: int, device):
         """``(query chunk, key chunk, mask)`` for every chunk pair with something visible."""
@@ -49,7 +51,7 @@ def ring_forward(q, k, v, plan: RingPlan):
         for q_chunk, k_chunk, mask in plan.pairs(ring.source(step), q.device):
             rows, keys = _rows(q_chunk), _rows(k_chunk)
             block_out, block_lse = block_forward(
-                q[..., rows, :], kv[0][..., keys, :], kv[1][..., keys, :], mask, plan.scale
+                q[..., rows, :], kv[0][..., keys, :], kv[1][..., keys, :], mask, plan.scale, plan.softcap
             )
             out[..., rows, :], lse[..., rows] = merge(out[..., rows, :], lse[..., rows], block_out, block_lse)
         if pending is not None:
@@ -74,7 +76,7 @@ def ring_backward(q, k, v, out, lse, dout, plan: RingPlan, dlse=None):
             rows, keys = _rows(q_chunk), _rows(k_chunk)
             block_dq, block_dk, block_dv = block_backward(
                 q[..., rows, :], kv[0][..., keys, :], kv[1][..., keys, :],
-                dout[..., rows, :], lse[..., rows], delta[..., rows], mask, plan.scale,
+                dout[..., rows, :], lse[..., rows], delta[..., rows], mask, plan.scale, plan.softcap,
             )
             dq[..., rows, :] += block_dq
             dk[..., keys, :] += block_dk

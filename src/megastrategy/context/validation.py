@@ -16,7 +16,6 @@ from megastrategy.errors import MegatronConfigError
 LAYOUT_CHOICES = ("auto", "balanced", "contiguous")
 OUTPUT_CHOICES = ("auto", "tokens", "sequence")
 DROPOUT_FIELDS = ("attention_dropout", "attention_probs_dropout_prob", "attn_pdrop")
-SOFTCAP_FIELDS = ("attn_logit_softcapping",)
 SEQUENCE_HEADS = ("ForSequenceClassification", "ForMultipleChoice")
 INTERFACE = ("ALL_ATTENTION_FUNCTIONS", "attention_interface")
 INTERCEPTED = ("scaled_dot_product_attention", *INTERFACE)
@@ -69,9 +68,6 @@ def _check_configs(model: nn.Module) -> None:
                     f"{field}={getattr(config, field)} ({type(config).__name__}) with cp > 1: dropout on attention "
                     f"probabilities cannot be reproduced block by block over ranks. Set {field}=0.0."
                 )
-        for field in SOFTCAP_FIELDS:
-            if getattr(config, field, None):
-                raise MegatronConfigError(f"{field}={getattr(config, field)} with cp > 1: soft-capped attention is not implemented; use cp=1.")
 
 
 def _check_attention_modules(model: nn.Module) -> None:

@@ -62,6 +62,34 @@ def causal_lm_loss(module: nn.Module) -> bool:
         return False
 
 
+class _PackingDetection:
+    """transformers reads packed sequences off ``position_ids`` that jump (when there is no cache and no
+    2-D mask) and adds a mask that hides keys across the jump. Under cp the global positions of a
+    rank jump between its two chunks, so that detection would fire on every split (Llama with
+    ``use_cache=False``); packed batches are refused before the split (``check_position_ids``), so
+    inside the forward context the detection is switched off."""
+
+    saved: list = []
+
+    @classmethod
+    def off(cls) -> None:
+        from transformers import masking_utils
+
+        cls.saved.append(masking_utils.find_packed_sequence_indices)
+        masking_utils.find_packed_sequence_indices = _no_packed_sequences
+
+    @classmethod
+    def restore(cls) -> None:
+        from transformers import masking_utils
+
+        if cls.saved:
+            masking_utils.find_packed_sequence_indices = cls.saved.pop()
+
+
+def _no_packed_sequences(position_ids):
+    return None
+
+
 class HFAttentionSwitch:
     """Registers ``function`` (attention) and ``mask_function`` (the masks transformers builds for it)
     under a key of its own; :meth:`enter`/:meth:`exit` switch the configs."""
@@ -81,10 +109,14 @@ class HFAttentionSwitch:
         self.saved = [(config, config._attn_implementation_internal) for config in self.configs]
         for config, _ in self.saved:
             config._attn_implementation_internal = self.key
+        if self.configs:
+            _PackingDetection.off()
 
     def exit(self) -> None:
         for config, original in self.saved:
             config._attn_implementation_internal = original
+        if self.saved:
+            _PackingDetection.restore()
         self.saved = []
 
     def remove(self) -> None:

@@ -65,7 +65,7 @@ def hf_mask(split: ActiveSplit, batch_size: int, q_length: int, kv_length: int, 
     from transformers.masking_utils import causal_mask_function
 
     rule = classify(mask_function or causal_mask_function, split.state.layout.seq_len, split.where)
-    return split.masks.make(rule, batch_size, q_length)
+    return split.masks.make(rule, batch_size, q_length, device=split.state.positions.device)
 
 
 def hf_attention(split: ActiveSplit, module, query, key, value, attention_mask, dropout=0.0, scaling=None,

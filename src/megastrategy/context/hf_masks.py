@@ -1,10 +1,10 @@
 """Learn each Hugging Face layer's mask rule from the mask transformers would build for it.
 
 Why: a model decides per layer which mask its attention uses (full causal, sliding window,
-bidirectional), and it does not always say so to the attention function: Exaone4 passes
-``sliding_window=None`` to full layers whose module still holds the config's window; PhiMoE
-passes no window at all and relies on the mask alone. Reading ``module.sliding_window`` or the
-keyword gave silently wrong windows (losses 1e-3..6e-3 off at cp2). The mask the model asks
+bidirectional), and it does not always say so to the attention function: Exaone4, ExaoneMoE and
+Kolibri1 pass ``sliding_window=None`` to full layers whose module still holds the config's
+window, and a model may leave the window to the mask alone. Reading ``module.sliding_window`` or
+the keyword gave silently wrong windows (losses 1.8e-3..9.2e-3 off at cp2). The mask the model asks
 for is the ground truth, so while a split microbatch runs, ring attention's key also gets a
 *mask* function: transformers hands it the model's ``mask_function`` (an index rule), which is
 probed on global positions and classified as causal / bidirectional with an optional window.
@@ -68,8 +68,9 @@ class MaskMarkers:
     def __init__(self):
         self.rules: dict[int, tuple[torch.Tensor, Rule]] = {}
 
-    def make(self, rule: Rule, batch_size: int, q_length: int) -> torch.Tensor:
-        marker = torch.ones((batch_size, 1, q_length, 0), dtype=torch.bool)  # no storage: never read
+    def make(self, rule: Rule, batch_size: int, q_length: int, device=None) -> torch.Tensor:
+        """On the batch's device, so a model's ``mask.to(device)`` keeps the marker itself."""
+        marker = torch.ones((batch_size, 1, q_length, 0), dtype=torch.bool, device=device)  # no storage
         self.rules[id(marker)] = (marker, rule)
         return marker
 

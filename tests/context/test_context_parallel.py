@@ -26,6 +26,9 @@ def _cases():
         "llama_sdpa": (functools.partial(tm.llama, "sdpa"), tm.lm_batch, tm.lm_loss),
         "llama_eager": (functools.partial(tm.llama, "eager"), tm.lm_batch, tm.lm_loss),
         "mistral_window5": (functools.partial(tm.llama, "sdpa", sliding_window=5), tm.lm_batch, tm.lm_loss),
+        # no cache: transformers reads the split's global positions (they jump between a rank's chunks) as
+        # packed sequences unless the forward context switches that detection off
+        "llama_no_cache": (functools.partial(tm.llama, "sdpa", use_cache=False), tm.lm_batch, tm.lm_loss),
         "bert_classifier": (functools.partial(tm.bert, "sdpa", "classifier"),
                             functools.partial(tm.bert_batch, head="classifier"), tm.lm_loss),
         "bert_mlm_eager": (functools.partial(tm.bert, "eager", "mlm"),

@@ -57,6 +57,31 @@ def test_attention_that_cannot_be_intercepted_names_the_module():
     _refused(nn.Sequential(nn.MultiheadAttention(8, 2)), "module '0' (nn.MultiheadAttention)")
 
 
+class HelperSoftmaxAttention(SoftmaxAttention):
+    """The softmax in a helper method (GPT-Neo's ``_attn``), not in ``forward``."""
+
+    def _attn(self, q, k, v):
+        return torch.softmax(q @ k.transpose(-1, -2), dim=-1) @ v
+
+    def forward(self, x):
+        return self._attn(*self.qkv(x).chunk(3, dim=-1))
+
+
+class NamedImplementationAttention(SoftmaxAttention):
+    """Chooses SDPA by comparing the implementation's name, as Falcon does."""
+
+    def forward(self, x):
+        q, k, v = self.qkv(x).chunk(3, dim=-1)
+        if self.config._attn_implementation == "sdpa":
+            return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=self.mask)
+        return torch.softmax(q @ k.transpose(-1, -2) + self.mask, dim=-1) @ v
+
+
+def test_attention_in_a_helper_or_chosen_by_implementation_name_is_refused_in_setup():
+    _refused(nn.Sequential(HelperSoftmaxAttention()), "(HelperSoftmaxAttention) computes attention with an explicit softmax")
+    _refused(nn.Sequential(NamedImplementationAttention()), "comparing config._attn_implementation", "cp=1")
+
+
 def test_gradient_checkpointing_is_refused():
     model = tm.llama("sdpa")
     getattr(model, "activation_checkpointing_enable", model.gradient_checkpointing_enable)()

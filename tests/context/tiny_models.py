@@ -56,11 +56,11 @@ def gpt_loss(model, batch):
     return F.cross_entropy(logits.reshape(-1, VOCAB), batch["targets"].reshape(-1)), logits
 
 
-def llama(attn: str, sliding_window=None):
+def llama(attn: str, sliding_window=None, **config):
     from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM
 
     common = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, **config)
     if sliding_window is not None:
         config = MistralConfig(**common, sliding_window=sliding_window, attn_implementation=attn)
         return MistralForCausalLM(config)

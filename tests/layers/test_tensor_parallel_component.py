@@ -39,3 +39,20 @@ def test_a_declared_plan_that_cannot_be_resolved_refuses_tp2_but_not_tp1():
     component = TensorParallel(MegatronConfig())
     component.validate(model, None)
     assert component.plan.tp_size == 1 and not component.plan.entries
+
+
+def _tied_bert_generation() -> torch.nn.Module:
+    """BertGeneration's head is tied to its embedding, which auto-detection refuses for tp > 1."""
+    from tests.helpers.hf_zoo import GENERIC, tiny_model
+
+    holder = torch.nn.Module()
+    holder.model = tiny_model(GENERIC + "bert-generation")
+    return holder
+
+
+def test_at_tp1_a_plan_auto_detection_refuses_is_empty_instead():
+    with pytest.raises(MegatronConfigError, match="is tied to"):
+        TensorParallel(MegatronConfig(tp=2)).validate(_tied_bert_generation(), None)
+    component = TensorParallel(MegatronConfig(tp=1, pp=2))  # pp2/cp2 runs shard nothing: not refused
+    component.validate(_tied_bert_generation(), None)
+    assert component.plan.tp_size == 1 and component.plan.entries == ()

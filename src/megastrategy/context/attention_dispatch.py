@@ -3,8 +3,10 @@
 Two entry points, both with the caller's own signature: the Hugging Face attention interface
 (``module, query, key, value, attention_mask, ...``, returning ``(output, weights)`` with the
 sequence before the heads) and ``F.scaled_dot_product_attention``. Anything that would make the
-split inexact (dropout on attention probabilities, soft-capping, attention sinks, a custom mask
+split inexact (dropout on attention probabilities, a position bias, a custom mask
 tensor, keys that are not the local sequence) is refused with what would work instead.
+Attention sinks (``s_aux``/``sinks``) are applied exactly from the ring's log-sum-exp, and
+soft-capping (``softcap``) on every block's scores.
 """
 from __future__ import annotations
 
@@ -13,13 +15,15 @@ from typing import Optional
 
 import torch
 
+from megastrategy.context.hf_masks import MaskMarkers, classify
 from megastrategy.context.masks import MaskRule
 from megastrategy.context.microbatch import MicrobatchState
 from megastrategy.context.ring import Ring
 from megastrategy.context.ring_attention import RingPlan, ring_attention
 from megastrategy.errors import MegatronConfigError
 
-UNSUPPORTED_HF_KWARGS = ("softcap", "s_aux", "sinks", "position_bias", "attention_chunk_size")
+UNSUPPORTED_HF_KWARGS = ("position_bias", "attention_chunk_size")
+SINK_KWARGS = ("s_aux", "sinks")  # one logit per head joining every row's softmax (GPT-OSS)
 
 
 @dataclass
@@ -30,10 +34,11 @@ class ActiveSplit:
     ring: Ring
     where: str = "the model"  # the module running now, for error messages
     stack: list = field(default_factory=list)
+    masks: MaskMarkers = field(default_factory=MaskMarkers)  # the Hugging Face masks built in this forward
 
-    def plan(self, causal: bool, window: Optional[int], padding: bool, scale: float) -> RingPlan:
+    def plan(self, causal: bool, window: Optional[int], padding: bool, scale: float, softcap=None) -> RingPlan:
         rule = MaskRule(causal, window, self.state.key_padding if padding else None)
-        return RingPlan(self.ring, self.state.layout, rule, scale)
+        return RingPlan(self.ring, self.state.layout, rule, scale, softcap)
 
     def check_local(self, query: torch.Tensor, key: torch.Tensor, caller: str) -> None:
         local = self.state.layout.local_len
@@ -53,23 +58,40 @@ class ActiveSplit:
             )
 
 
+def hf_mask(split: ActiveSplit, batch_size: int, q_length: int, kv_length: int, q_offset: int = 0, kv_offset: int = 0,
+            mask_function=None, **kwargs) -> torch.Tensor:
+    """Hugging Face mask-interface function: a marker for the rule of ``mask_function`` on the global
+    sequence (see hf_masks); padding comes from the split's whole attention mask, not the local one."""
+    from transformers.masking_utils import causal_mask_function
+
+    rule = classify(mask_function or causal_mask_function, split.state.layout.seq_len, split.where)
+    return split.masks.make(rule, batch_size, q_length, device=split.state.positions.device)
+
+
 def hf_attention(split: ActiveSplit, module, query, key, value, attention_mask, dropout=0.0, scaling=None,
                  sliding_window=None, is_causal=None, **kwargs):
-    """Hugging Face attention-interface function; masks come from the split, not ``attention_mask``."""
+    """Hugging Face attention-interface function; masks come from the split: the rule of the mask the
+    model built (a marker from :func:`hf_mask`), else the module's ``is_causal``/``sliding_window``."""
     split.refuse_dropout(dropout, "Hugging Face attention")
     used = [name for name in UNSUPPORTED_HF_KWARGS if kwargs.get(name) is not None]
     if used:
         raise MegatronConfigError(f"attention in {split.where} passes {used}, which ring attention does not implement.")
-    if attention_mask is not None:
+    rule = split.masks.rule_of(attention_mask) if attention_mask is not None else None
+    if attention_mask is not None and rule is None:
         raise MegatronConfigError(
             f"attention in {split.where} received a prepared {tuple(attention_mask.shape)} mask tensor: with cp > 1 "
             "pass a 2-D padding attention_mask (batch, sequence) and let the model's causal/window rules apply."
         )
     split.check_local(query, key, "Hugging Face attention")
-    causal = is_causal if is_causal is not None else bool(getattr(module, "is_causal", True))
-    window = sliding_window if sliding_window is not None else getattr(module, "sliding_window", None)
+    if rule is not None:
+        causal, window = rule
+    else:
+        causal = is_causal if is_causal is not None else bool(getattr(module, "is_causal", True))
+        window = sliding_window if sliding_window is not None else getattr(module, "sliding_window", None)
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-    out = ring_attention(query, key, value, split.plan(causal, window, padding=True, scale=scale))
+    sinks = next((kwargs[name] for name in SINK_KWARGS if kwargs.get(name) is not None), None)
+    plan = split.plan(causal, window, padding=True, scale=scale, softcap=kwargs.get("softcap"))
+    out = ring_attention(query, key, value, plan, sinks=sinks)
     return out.transpose(1, 2).contiguous(), None
 
 

@@ -6,7 +6,9 @@ probabilities from the saved ``lse``, so no full attention matrix is ever stored
 
 Shapes: queries ``(batch, kv_heads, group, q_len, dim)`` (grouped-query attention keeps the
 query heads that share a K/V head together), keys and values ``(batch, kv_heads, k_len, dim)``.
-Everything is computed in float32.
+Everything is computed in float32. ``softcap`` (Gemma 2's ``attn_logit_softcapping``) bounds each
+score as ``softcap · tanh(score / softcap)`` before the softmax, as the eager path does; the
+backward multiplies by its derivative ``1 − tanh²``.
 """
 from __future__ import annotations
 
@@ -17,10 +19,19 @@ import torch
 NEG_INF = float("-inf")
 
 
-def block_forward(q, k, v, mask: Optional[torch.Tensor], scale: float):
+def _scores(q, k, scale: float, softcap: Optional[float]):
+    """``(scores, tanh)``: the block's (soft-capped) scores, and the tanh the backward needs (or None)."""
+    scores = torch.einsum("bhgqd,bhkd->bhgqk", q.float(), k.float()) * scale
+    if not softcap:
+        return scores, None
+    capped = torch.tanh(scores / softcap)
+    return capped * softcap, capped
+
+
+def block_forward(q, k, v, mask: Optional[torch.Tensor], scale: float, softcap: Optional[float] = None):
     """``(out, lse)`` for one block: ``out`` normalised within the block; fully hidden rows give
     ``out = 0`` and ``lse = -inf`` so that they vanish in :func:`merge`."""
-    scores = torch.einsum("bhgqd,bhkd->bhgqk", q.float(), k.float()) * scale
+    scores, _ = _scores(q, k, scale, softcap)
     if mask is not None:
         scores = scores.masked_fill(~mask, NEG_INF)
     row_max = scores.amax(dim=-1, keepdim=True)
@@ -45,10 +56,11 @@ def merge(out, lse, block_out, block_lse):
     return out, merged
 
 
-def block_backward(q, k, v, dout, lse, delta, mask: Optional[torch.Tensor], scale: float):
+def block_backward(q, k, v, dout, lse, delta, mask: Optional[torch.Tensor], scale: float,
+                   softcap: Optional[float] = None):
     """``(dq, dk, dv)`` of one block, given the final ``lse`` and ``delta = rowsum(dout·out)``."""
     q, k, v, dout = q.float(), k.float(), v.float(), dout.float()
-    scores = torch.einsum("bhgqd,bhkd->bhgqk", q, k) * scale
+    scores, capped = _scores(q, k, scale, softcap)
     lse = torch.where(torch.isfinite(lse), lse, torch.full_like(lse, float("inf")))
     probs = torch.exp(scores - lse[..., None])
     if mask is not None:
@@ -56,6 +68,8 @@ def block_backward(q, k, v, dout, lse, delta, mask: Optional[torch.Tensor], scal
     dv = torch.einsum("bhgqk,bhgqd->bhkd", probs, dout)
     dprobs = torch.einsum("bhgqd,bhkd->bhgqk", dout, v)
     dscores = probs * (dprobs - delta[..., None])
+    if capped is not None:
+        dscores = dscores * (1 - capped * capped)
     dq = torch.einsum("bhgqk,bhkd->bhgqd", dscores, k) * scale
     dk = torch.einsum("bhgqk,bhgqd->bhkd", dscores, q) * scale
     return dq, dk, dv

@@ -25,11 +25,12 @@ import torch
 from torch import nn
 
 from megastrategy.context import hooks
-from megastrategy.context.attention_dispatch import ActiveSplit, hf_attention
+from megastrategy.context.attention_dispatch import ActiveSplit, hf_attention, hf_mask
 from megastrategy.context.function_mode import ContextParallelMode
 from megastrategy.context.gather import gather_sequence
-from megastrategy.context.hf_integration import HFAttentionSwitch, hf_pretrained_models
+from megastrategy.context.hf_integration import HFAttentionSwitch, causal_lm_loss, hf_pretrained_models
 from megastrategy.context.microbatch import split_microbatch
+from megastrategy.context.positions import padding_index_numbering
 from megastrategy.context.ring import Ring
 from megastrategy.context.validation import gather_point, resolve_layout, resolve_output, validate
 
@@ -50,6 +51,7 @@ class ContextParallel:
         self._handles: list = []
         self._switch: Optional[HFAttentionSwitch] = None
         self._causal_lm = False
+        self._padding_idx = None
 
     @property
     def size(self) -> int:
@@ -67,8 +69,10 @@ class ContextParallel:
         validate(model, self.size, self.layout_choice, self.output_choice)
         self.layout = resolve_layout(model, self.layout_choice)
         self.output = resolve_output(model, self.output_choice)
-        self._causal_lm = any(getattr(m, "loss_type", None) == "ForCausalLM" for _, m in hf_pretrained_models(model))
-        self._switch = HFAttentionSwitch(model, lambda module, *a, **kw: hf_attention(self._active, module, *a, **kw))
+        self._causal_lm = any(causal_lm_loss(m) for _, m in hf_pretrained_models(model))
+        self._padding_idx = padding_index_numbering(model)
+        self._switch = HFAttentionSwitch(model, lambda module, *a, **kw: hf_attention(self._active, module, *a, **kw),
+                                         lambda *a, **kw: hf_mask(self._active, *a, **kw))
         for module in hooks.input_modules(model):
             hook = hooks.input_hook(self._current, module)
             self._handles.append(module.register_forward_pre_hook(hook, with_kwargs=True))
@@ -81,7 +85,8 @@ class ContextParallel:
         """This rank's part of ``batch``: every ``(batch, sequence, ...)`` tensor split along the sequence."""
         if self.layout is None:
             raise RuntimeError("ContextParallel.apply(model) must run before transform_microbatch")
-        local, state = split_microbatch(batch, self.layout, self.size, self.rank, training, self._causal_lm)
+        local, state = split_microbatch(batch, self.layout, self.size, self.rank, training, self._causal_lm,
+                                        self._padding_idx)
         self._states[id(local)] = (local, state)
         while len(self._states) > MICROBATCHES_KEPT:
             self._states.popitem(last=False)

@@ -1,7 +1,8 @@
 """A torch function mode, active only inside the forward context, that redirects the calls a
 split sequence changes: ``scaled_dot_product_attention`` (to ring attention), token losses (to
 the global mean over cp ranks) and a softmax over a local ``(seq × seq)`` score matrix, which is
-attention computed by hand and cannot be split: it is refused, naming the module.
+attention computed by hand and cannot be split: it is refused, naming the module, as is an
+operation that fails on the empty mask marker (hf_masks.py): code reading the mask itself.
 
 A mode catches the call however the user imported the function, and leaves the model's code
 and torch's module attributes untouched.
@@ -41,7 +42,23 @@ class ContextParallelMode(TorchFunctionMode):
             )
         if func in SOFTMAX_FUNCTIONS:
             self._refuse_score_softmax(args[0] if args else kwargs.get("input"))
-        return func(*args, **kwargs)
+        try:
+            return func(*args, **kwargs)
+        except RuntimeError as e:
+            self._refuse_mask_read(e, args, kwargs)
+            raise
+
+    def _refuse_mask_read(self, error: RuntimeError, args, kwargs) -> None:
+        """A Hugging Face mask under cp is an empty marker (hf_masks.py): code that combines it with its
+        own scores (attention by hand, a sparse-attention indexer) computes over local keys only."""
+        tensors = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
+        if any(self.split.masks.derived(t) for t in tensors):
+            raise MegatronConfigError(
+                f"{self.split.where} reads the attention mask itself ({type(error).__name__}: "
+                f"{str(error).splitlines()[0]}): it computes attention scores by hand (eager attention with ALiBi, a "
+                "sparse-attention indexer), which cannot see keys on other cp ranks. Only attention through the Hugging "
+                "Face attention interface or torch.nn.functional.scaled_dot_product_attention is split; use cp=1."
+            ) from error
 
     def _refuse_score_softmax(self, scores) -> None:
         local = self.split.state.layout.local_len

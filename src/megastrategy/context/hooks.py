@@ -1,8 +1,10 @@
 """Module hooks that keep the user's model unchanged yet consistent with a split sequence.
 
 * Inputs: a model that takes ``position_ids`` but got none would number the local tokens
-  0..local_len-1; the hook passes their global positions. A Hugging Face causal LM given
-  ``labels`` also gets ``shift_labels`` shifted on the global sequence.
+  0..local_len-1; the hook passes their global positions (numbered like the model does,
+  positions.py), and makes global a run the model numbered itself from the local length.
+  A Hugging Face causal LM given ``labels`` also gets ``shift_labels`` shifted on the global
+  sequence.
 * Gather: where the model pools the whole sequence, the hook replaces the hidden states with
   the gathered sequence.
 * Tracker: the running module's name, so refusals say where attention was computed.
@@ -18,6 +20,8 @@ import torch
 from torch import nn
 
 from megastrategy.context.attention_dispatch import ActiveSplit
+from megastrategy.context.hf_integration import causal_lm_loss
+from megastrategy.context.positions import globalize
 
 GetSplit = Callable[[], Optional[ActiveSplit]]
 
@@ -35,7 +39,7 @@ def _set_argument(bound: inspect.BoundArguments, signature, name: str, value) ->
 
 def input_hook(get_split: GetSplit, module: nn.Module) -> Callable:
     signature = inspect.signature(module.forward)
-    causal_lm = getattr(module, "loss_type", None) == "ForCausalLM"
+    causal_lm = causal_lm_loss(module)
     takes_shift = "shift_labels" in signature.parameters or _var_keyword(signature) is not None
 
     def hook(_module, args, kwargs):
@@ -44,15 +48,37 @@ def input_hook(get_split: GetSplit, module: nn.Module) -> Callable:
             return None
         bound = signature.bind_partial(*args, **kwargs)
         state = split.state
-        if bound.arguments.get("position_ids") is None:
-            _set_argument(bound, signature, "position_ids", state.positions[None].expand(state.batch_size, -1))
+        given = bound.arguments.get("position_ids")
+        if given is None:
+            ids = state.row_positions if state.row_positions is not None else state.positions[None].expand(state.batch_size, -1)
+            _set_argument(bound, signature, "position_ids", ids)
+        else:  # numbered by the model from the local length (a BART decoder): made global
+            bound.arguments["position_ids"] = globalize(given, state.positions)
         labels = bound.arguments.get("labels")
         if causal_lm and takes_shift and state.shift_labels is not None and isinstance(labels, torch.Tensor):
             if labels.shape == state.shift_labels.shape:
                 _set_argument(bound, signature, "shift_labels", state.shift_labels.to(labels.device))
-        return bound.args, bound.kwargs
+        return _call_arguments(bound, signature)
 
     return hook
+
+
+def _call_arguments(bound: inspect.BoundArguments, signature: inspect.Signature) -> tuple[tuple, dict]:
+    """``(args, kwargs)`` passing by keyword whatever may be: transformers' decorators (Whisper's
+    ``merge_with_config_defaults``) add keyword arguments, which collided with the same argument
+    re-passed by position ("got multiple values for argument 'use_cache'")."""
+    kinds = {name: p.kind for name, p in signature.parameters.items()}
+    if inspect.Parameter.VAR_POSITIONAL in kinds.values():
+        return bound.args, bound.kwargs
+    args, kwargs = [], {}
+    for name, value in bound.arguments.items():
+        if kinds[name] is inspect.Parameter.POSITIONAL_ONLY:
+            args.append(value)
+        elif kinds[name] is inspect.Parameter.VAR_KEYWORD:
+            kwargs.update(value)
+        else:
+            kwargs[name] = value
+    return tuple(args), kwargs
 
 
 def input_modules(model: nn.Module) -> list[nn.Module]:

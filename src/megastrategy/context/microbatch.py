@@ -16,6 +16,7 @@ from typing import Any, Optional
 import torch
 
 from megastrategy.context.layout import SequenceLayout
+from megastrategy.context.positions import padding_numbered_positions
 from megastrategy.errors import MegatronConfigError
 
 SEQUENCE_KEYS = ("input_ids", "inputs_embeds")
@@ -31,6 +32,7 @@ class MicrobatchState:
     key_padding: Optional[torch.Tensor]  # (batch, seq) bool over the whole sequence; None = no padding
     shift_labels: Optional[torch.Tensor]  # (batch, local_len) next-token targets from the global sequence
     training: bool
+    row_positions: Optional[torch.Tensor] = None  # (batch, local_len) when positions are numbered per row
 
     @property
     def local_tokens(self) -> int:
@@ -106,8 +108,10 @@ def global_shift_labels(batch: Any, layout: SequenceLayout, rank: int, shape) ->
     return layout.split(torch.cat([labels[:, 1:], tail], dim=1), rank)
 
 
-def split_microbatch(batch: Any, kind: str, cp_size: int, rank: int, training: bool, causal_lm: bool):
-    """``(local batch, state)`` for one microbatch."""
+def split_microbatch(batch: Any, kind: str, cp_size: int, rank: int, training: bool, causal_lm: bool,
+                     padding_idx: Optional[int] = None):
+    """``(local batch, state)`` for one microbatch; ``padding_idx``: the model numbers positions from it
+    (see positions.py)."""
     shape = sequence_shape(batch)
     layout = SequenceLayout(kind, shape[1], cp_size)
     check_position_ids(batch)
@@ -120,8 +124,16 @@ def split_microbatch(batch: Any, kind: str, cp_size: int, rank: int, training: b
         key_padding=padding_mask(batch),
         shift_labels=global_shift_labels(batch, layout, rank, shape) if causal_lm else None,
         training=training,
+        row_positions=_row_positions(batch, padding_idx, layout, rank),
     )
     return split_collection(batch, layout, rank, shape), state
+
+
+def _row_positions(batch: Any, padding_idx: Optional[int], layout: SequenceLayout, rank: int):
+    if padding_idx is None:
+        return None
+    numbered = padding_numbered_positions(batch, padding_idx, layout.seq_len)
+    return None if numbered is None else layout.split(numbered, rank)
 
 
 def _tensors(batch: Any):

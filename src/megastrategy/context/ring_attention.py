@@ -9,6 +9,7 @@ contribution before a final hop delivers it to the block's owner.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 
@@ -24,6 +25,7 @@ class RingPlan:
     layout: SequenceLayout
     rule: MaskRule
     scale: float
+    softcap: Optional[float] = None  # Gemma 2's attention logit soft-capping
 
     def pairs(self, source: int, device):
         """``(query chunk, key chunk, mask)`` for every chunk pair with something visible."""
@@ -40,7 +42,8 @@ def _rows(chunk) -> slice:
 
 def ring_forward(q, k, v, plan: RingPlan):
     ring = plan.ring
-    out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    # values may be narrower or wider than queries/keys (multi-head latent attention: 8 vs 12)
+    out = torch.zeros((*q.shape[:-1], v.shape[-1]), dtype=torch.float32, device=q.device)
     lse = torch.full(q.shape[:-1], NEG_INF, dtype=torch.float32, device=q.device)
     kv = [k, v]
     for step in range(ring.size):
@@ -48,7 +51,7 @@ def ring_forward(q, k, v, plan: RingPlan):
         for q_chunk, k_chunk, mask in plan.pairs(ring.source(step), q.device):
             rows, keys = _rows(q_chunk), _rows(k_chunk)
             block_out, block_lse = block_forward(
-                q[..., rows, :], kv[0][..., keys, :], kv[1][..., keys, :], mask, plan.scale
+                q[..., rows, :], kv[0][..., keys, :], kv[1][..., keys, :], mask, plan.scale, plan.softcap
             )
             out[..., rows, :], lse[..., rows] = merge(out[..., rows, :], lse[..., rows], block_out, block_lse)
         if pending is not None:
@@ -56,20 +59,24 @@ def ring_forward(q, k, v, plan: RingPlan):
     return out, lse
 
 
-def ring_backward(q, k, v, out, lse, dout, plan: RingPlan):
+def ring_backward(q, k, v, out, lse, dout, plan: RingPlan, dlse=None):
+    """``dlse``: the gradient reaching the log-sum-exp (attention sinks use it); a score's gradient
+    is ``P·(dP − delta)`` plus ``dlse·P``, i.e. ``delta`` lowered by ``dlse``."""
     ring = plan.ring
     delta = (dout.float() * out.float()).sum(dim=-1)
+    if dlse is not None:
+        delta = delta - dlse.float()
     dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     kv, grad_pending = [k, v], None
     for step in range(ring.size):
         kv_pending = ring.start(kv, TAG_KV) if step < ring.size - 1 else None
         dk = torch.zeros(k.shape, dtype=torch.float32, device=k.device)
-        dv = torch.zeros_like(dk)
+        dv = torch.zeros(v.shape, dtype=torch.float32, device=v.device)
         for q_chunk, k_chunk, mask in plan.pairs(ring.source(step), q.device):
             rows, keys = _rows(q_chunk), _rows(k_chunk)
             block_dq, block_dk, block_dv = block_backward(
                 q[..., rows, :], kv[0][..., keys, :], kv[1][..., keys, :],
-                dout[..., rows, :], lse[..., rows], delta[..., rows], mask, plan.scale,
+                dout[..., rows, :], lse[..., rows], delta[..., rows], mask, plan.scale, plan.softcap,
             )
             dq[..., rows, :] += block_dq
             dk[..., keys, :] += block_dk
@@ -87,7 +94,8 @@ def ring_backward(q, k, v, out, lse, dout, plan: RingPlan):
 
 
 class RingAttentionFunction(torch.autograd.Function):
-    """Autograd wrapper: saves only q, k, v, the output and its log-sum-exp."""
+    """Autograd wrapper: saves only q, k, v, the output and its log-sum-exp; returns both (the
+    log-sum-exp is differentiable: attention sinks rescale the output with it)."""
 
     @staticmethod
     def forward(ctx, q, k, v, plan: RingPlan):
@@ -95,21 +103,29 @@ class RingAttentionFunction(torch.autograd.Function):
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.plan = plan
-        return out
+        return out, lse
 
     @staticmethod
-    def backward(ctx, dout):
+    def backward(ctx, dout, dlse):
         q, k, v, out, lse = ctx.saved_tensors
-        dq, dk, dv = ring_backward(q, k, v, out, lse, dout, ctx.plan)
+        dq, dk, dv = ring_backward(q, k, v, out, lse, dout, ctx.plan, dlse)
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None
 
 
-def ring_attention(query, key, value, plan: RingPlan) -> torch.Tensor:
-    """Attention for ``(batch, heads, local_len, dim)`` tensors; K/V may have fewer heads (GQA)."""
+def ring_attention(query, key, value, plan: RingPlan, sinks=None) -> torch.Tensor:
+    """Attention for ``(batch, heads, local_len, dim)`` tensors; K/V may have fewer heads (GQA).
+
+    ``sinks`` (one logit per query head, GPT-OSS's attention sinks): an extra key with no value in
+    every row's softmax, so the output is the ring's times ``Z / (Z + e^sink)`` = ``sigmoid(lse - sink)``.
+    """
     batch, heads, length, dim = query.shape
     kv_heads = key.shape[1]
     if heads % kv_heads:
         raise ValueError(f"{heads} query heads cannot share {kv_heads} key/value heads evenly")
     grouped = query.reshape(batch, kv_heads, heads // kv_heads, length, dim)
-    out = RingAttentionFunction.apply(grouped, key.contiguous(), value.contiguous(), plan)
-    return out.reshape(batch, heads, length, value.shape[-1])
+    out, lse = RingAttentionFunction.apply(grouped, key.contiguous(), value.contiguous(), plan)
+    out = out.reshape(batch, heads, length, value.shape[-1])
+    if sinks is None:
+        return out
+    kept = torch.sigmoid(lse.reshape(batch, heads, length) - sinks.float().reshape(1, heads, 1))
+    return (out.float() * kept[..., None]).to(out.dtype)

@@ -10,14 +10,15 @@ import inspect
 from torch import nn
 
 from megastrategy.context.hf_integration import SUPPORTED_IMPLEMENTATIONS, hf_configs, hf_pretrained_models
+from megastrategy.context.sequence_mixers import check_sequence_mixers
 from megastrategy.errors import MegatronConfigError
 
 LAYOUT_CHOICES = ("auto", "balanced", "contiguous")
 OUTPUT_CHOICES = ("auto", "tokens", "sequence")
 DROPOUT_FIELDS = ("attention_dropout", "attention_probs_dropout_prob", "attn_pdrop")
-SOFTCAP_FIELDS = ("attn_logit_softcapping",)
 SEQUENCE_HEADS = ("ForSequenceClassification", "ForMultipleChoice")
-INTERCEPTED = ("scaled_dot_product_attention", "ALL_ATTENTION_FUNCTIONS", "attention_interface")
+INTERFACE = ("ALL_ATTENTION_FUNCTIONS", "attention_interface")
+INTERCEPTED = ("scaled_dot_product_attention", *INTERFACE)
 
 
 def _choice(name: str, value, choices) -> None:
@@ -67,9 +68,6 @@ def _check_configs(model: nn.Module) -> None:
                     f"{field}={getattr(config, field)} ({type(config).__name__}) with cp > 1: dropout on attention "
                     f"probabilities cannot be reproduced block by block over ranks. Set {field}=0.0."
                 )
-        for field in SOFTCAP_FIELDS:
-            if getattr(config, field, None):
-                raise MegatronConfigError(f"{field}={getattr(config, field)} with cp > 1: soft-capped attention is not implemented; use cp=1.")
 
 
 def _check_attention_modules(model: nn.Module) -> None:
@@ -81,15 +79,34 @@ def _check_attention_modules(model: nn.Module) -> None:
             )
         if "attention" not in type(module).__name__.lower() or type(module).__module__.startswith("torch."):
             continue
-        try:
-            source = inspect.getsource(type(module).forward)
-        except (OSError, TypeError):
-            source = ""
+        source = _class_source(type(module))
+        if "_attn_implementation ==" in source and not any(word in source for word in INTERFACE):
+            raise MegatronConfigError(
+                f"module '{name}' ({type(module).__name__}) picks its attention code by comparing "
+                "config._attn_implementation with a name ('sdpa'), so under cp > 1 it takes its hand-written path (a "
+                "softmax over local keys with the model's own mask), which cannot see keys on other cp ranks. Ring "
+                "attention is reached through the Hugging Face attention interface or an unmasked "
+                "F.scaled_dot_product_attention call; use cp=1 for this model."
+            )
         if "softmax" in source and not any(word in source for word in INTERCEPTED):
             raise MegatronConfigError(
                 f"module '{name}' ({type(module).__name__}) computes attention with an explicit softmax, which cannot "
                 "see keys on other cp ranks. Call torch.nn.functional.scaled_dot_product_attention instead."
             )
+
+
+def _class_source(cls: type) -> str:
+    """The source of ``cls`` and its own bases (not torch's): the softmax may sit in a helper method
+    (GPT-Neo's ``_attn``), which checking ``forward`` alone found only at the first step."""
+    parts = []
+    for klass in cls.__mro__:
+        if klass.__module__.startswith(("torch.", "builtins")):
+            continue
+        try:
+            parts.append(inspect.getsource(klass))
+        except (OSError, TypeError):
+            continue
+    return "\n".join(parts)
 
 
 def _checkpointing(hf_model: nn.Module) -> bool:
@@ -106,6 +123,7 @@ def validate(model: nn.Module, cp: int, layout: str = "auto", output: str = "aut
     if cp == 1:
         return
     _check_configs(model)
+    check_sequence_mixers(model)
     _check_attention_modules(model)
     if any(_checkpointing(m) for _, m in hf_pretrained_models(model)):
         raise MegatronConfigError(

@@ -52,10 +52,10 @@ class TensorParallel(Component):
 
 
 def _resolve(module: nn.Module, tp_plan: Optional[dict], tp: int) -> ResolvedPlan:
-    """The plan; at ``tp=1`` without a ``tp_plan`` of the user's, a model whose own declared plan
-    cannot be resolved (Zaya's names half of a block) gets an empty one instead of a refusal:
-    nothing is sharded there, so the declaration's flaw changes nothing (the sweep found Zaya
-    refused at ep2 and pp2, and under plain data parallelism, for a tensor-parallel rule)."""
+    """The plan; at ``tp=1`` without a ``tp_plan`` of the user's, an empty one when resolving refuses:
+    nothing is sharded there, so a flaw of the declared or detected plan changes nothing. The sweeps
+    found such refusals stopping runs with no tensor parallelism (Zaya's declared plan names half of
+    a block, at ep2, pp2 and plain data parallelism; BERT-generation's tied head at pp2 and cp2)."""
     try:
         return resolve_tp_plan(module, tp_plan, tp)
     except MegatronConfigError:

@@ -61,3 +61,43 @@ def test_a_deep_copy_routes_to_its_own_blocks():
     twin.layers[0].register_forward_pre_hook(lambda m, a: seen.append(m))
     assert torch.equal(twin(torch.randn(2, 4)), torch.zeros(2, 4))
     assert seen == [twin.layers[0]]
+
+
+class _Checkpointed:
+    """An instance-level forward under torch's checkpoint, as activation recompute installs one."""
+
+    def __init__(self, module):
+        self.module = module
+
+    def __call__(self, x):
+        fn = type(self.module).forward.__get__(self.module)
+        return torch.utils.checkpoint.checkpoint(fn, x, use_reentrant=False)
+
+
+def test_routing_over_a_recomputed_forward_runs_hooks_once_and_not_in_the_replay():
+    """Installed last, over recompute's forward: the backward's replay calls the class forward and no
+    hooks (installed first, the replay would re-enter __call__ and its hooks, without end)."""
+    torch.manual_seed(0)
+    stack = Stack(direct=True)
+    x = torch.randn(2, 4, requires_grad=True)
+    stack(x).sum().backward()
+    expected = x.grad.clone()
+    x.grad = None
+    for layer in stack.layers:
+        layer.forward = _Checkpointed(layer)
+    route_direct_forward_calls(stack.layers)
+    calls = _count_hooks(stack)
+    stack(x).sum().backward()
+    assert torch.allclose(x.grad, expected)
+    assert calls == [(kind, i) for i in range(3) for kind in ("pre", "post")], calls
+
+
+def test_routing_for_the_dry_runs_is_undone():
+    from megastrategy.pipeline.direct_forward import direct_forward_calls_routed
+
+    stack = Stack(direct=True)
+    layer = stack.layers[0]
+    before = dict(layer._forward_pre_hooks)
+    with direct_forward_calls_routed(stack.layers):
+        assert "forward" in layer.__dict__
+    assert "forward" not in layer.__dict__ and dict(layer._forward_pre_hooks) == before

@@ -15,7 +15,7 @@ from megastrategy.component import Component, SetupContext
 from megastrategy.config import MegatronConfig
 from megastrategy.errors import MegatronConfigError
 from megastrategy.pipeline.batch_statistics import refuse_batch_statistics
-from megastrategy.pipeline.direct_forward import route_direct_forward_calls
+from megastrategy.pipeline.direct_forward import direct_forward_calls_routed, route_direct_forward_calls
 from megastrategy.pipeline.forward_order import ForwardOrder, loop_state_refusal, record_forward_order
 from megastrategy.pipeline.layer_assignment import assign_layers
 from megastrategy.pipeline.parallel_lists import refuse_parallel_lists
@@ -68,9 +68,14 @@ class Pipeline(Component):
             self._validate_seq2seq(module)
             return
         anatomy = ModelAnatomy.of(module, self.pipeline_layers)
-        route_direct_forward_calls(anatomy.stack)  # before the dry runs, which find the cut through hooks
         if self.pipeline_layers is None:  # a list the user named is taken as it is
             refuse_parallel_lists(module, anatomy.stack_path, self.pp)
+        with direct_forward_calls_routed(anatomy.stack):  # the dry runs find the cut through hooks
+            self._dry_runs(module, anatomy)
+        self._validate_schedule()
+
+    def _dry_runs(self, module: nn.Module, anatomy: ModelAnatomy) -> None:
+        """The forward's order and the stand-in probe, on the module as built (each once)."""
         order = self._forward_order(module, anatomy.stack_path)
         assignment = assign_layers(len(order.stack_calls) if order is not None else len(anatomy.stack), self.pp,
                                    self.vp, self.placement, self.stage_layers)
@@ -81,7 +86,6 @@ class Pipeline(Component):
             placed = ModelAnatomy.of(module, anatomy.stack_path, order.called if order is not None else None)
             refuse_stand_in_values(module, placed, order, assignment, self.placement)
             self._probed_of = id(module)
-        self._validate_schedule()
 
     def _validate_schedule(self) -> None:
         if self.schedule == "zb_v":
@@ -126,7 +130,6 @@ class Pipeline(Component):
         ps, order = ctx.parallel_state, self._order
         called = order.called if order is not None else None
         anatomy = ModelAnatomy.of(module, ctx.stack_path, called)  # after TP/SP/recompute rewrote the blocks
-        route_direct_forward_calls(anatomy.stack)  # a block recompute wrapped is a new module
         stack_calls = order.stack_calls if order is not None and order.reuses_blocks else None
         ctx.stage = cut_stage(
             module,
@@ -144,6 +147,7 @@ class Pipeline(Component):
             block_arity=order.block_arity if order is not None else None,
             router_logits=carry_for(find_hf_model(module)[1], self.pp, self.num_microbatches),
         )
+        route_direct_forward_calls(anatomy.stack)  # last, over recompute's forward (see the function)
         self._shared = ctx.stage.shared_layer_parameters
         shared = {id(p) for p in self._shared}
         self._tied = [p for p in ctx.stage.tied_parameters if id(p) not in shared]

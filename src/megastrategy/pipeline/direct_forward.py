@@ -14,11 +14,12 @@ mark, or goes through ``__call__`` when it does not.
 from __future__ import annotations
 
 import functools
-from typing import Any, Iterable
+from contextlib import contextmanager
+from typing import Any, Callable, Iterable, Iterator
 
 from torch import nn
 
-__all__ = ["route_direct_forward_calls"]
+__all__ = ["direct_forward_calls_routed", "route_direct_forward_calls"]
 
 
 class _ForwardThroughCall:
@@ -36,13 +37,42 @@ class _ForwardThroughCall:
         return self.block(*args, **kwargs)
 
 
-def route_direct_forward_calls(blocks: Iterable[nn.Module]) -> None:
-    """Make ``block.forward(...)`` run ``block``'s hooks, for each of ``blocks`` (once per block)."""
+def route_direct_forward_calls(blocks: Iterable[nn.Module]) -> Callable[[], None]:
+    """Make ``block.forward(...)`` run ``block``'s hooks, for each of ``blocks`` (once per block);
+    returns what undoes it.
+
+    Install it last, over any other instance-level ``forward`` (recompute's checkpointed forward):
+    a wrapper installed later would call this one as its inner forward, and a recompute's replay in
+    backward, which runs no hooks, would be sent through ``__call__`` and its hooks again."""
+    undo = []
     for block in blocks:
         if isinstance(block.__dict__.get("forward"), _ForwardThroughCall):
             continue
+        previous = block.__dict__.get("forward")
         block.forward = _ForwardThroughCall(block, block.forward)
-        block.register_forward_pre_hook(_mark_call, prepend=True)
+        handle = block.register_forward_pre_hook(_mark_call, prepend=True)
+        undo.append((block, previous, handle))
+    return lambda: _restore(undo)
+
+
+@contextmanager
+def direct_forward_calls_routed(blocks: Iterable[nn.Module]) -> Iterator[None]:
+    """:func:`route_direct_forward_calls` for the duration of the block (the dry runs of validation,
+    on the module as the user built it, before other components wrap its blocks' forwards)."""
+    undo = route_direct_forward_calls(blocks)
+    try:
+        yield
+    finally:
+        undo()
+
+
+def _restore(undo: list) -> None:
+    for block, previous, handle in undo:
+        handle.remove()
+        if previous is None:
+            block.__dict__.pop("forward", None)
+        else:
+            block.forward = previous
 
 
 def _mark_call(module: nn.Module, args: Any) -> None:

@@ -1,4 +1,4 @@
-"""Causal LMs from the cp2 sweep (tests/scripts/hf_sweep.py --layouts cp2, /work/notes/sweep_cp.md)
+"""Causal LMs from the cp2 sweep (tests/scripts/hf_sweep.py --layouts cp2, docs/sweeps/causal_lm_cp2.md)
 at cp=2 on two processes against one device (DDPStrategy on one process, same seed), every model
 in one launch per side (tests/scripts/hf_matrix.py; ``generic.`` = the config class defaults, shrunk).
 

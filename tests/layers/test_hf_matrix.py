@@ -141,7 +141,7 @@ def test_pp2_matches_one_device_for_more_tasks_and_architectures():
 
 # ------------------------------------------------------------------ architectures found by the sweep
 #: built by the generic tiny-config builder of tests/scripts/hf_sweep_tasks.py (the offline sweep over
-#: every encoder/classifier/vision/seq2seq architecture, /work/notes/sweep_enc.md): what the sweep fixed,
+#: every encoder/classifier/vision/seq2seq architecture, docs/sweeps/encoders_tp_pp.md): what the sweep fixed,
 #: and a few representative architectures it found passing. model -> plan source at tp=2
 SWEEP_SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "hf_sweep_tasks.py"
 SWEEP_TP2 = {

@@ -13,8 +13,8 @@ either match one device (per-step losses within 2e-4) or be refused in setup wit
    is recorded and the launch resumes after it;
 3. the classified table (match / refused / crash / MISMATCH / hang) goes to ``--table``.
 
-    python tests/scripts/hf_sweep.py --work /tmp/sweep --table /work/notes/sweep_lm.md [--only a,b]
-    python tests/scripts/hf_sweep.py --work /tmp/sweep --table /work/notes/sweep_cp.md --layouts cp2
+    python tests/scripts/hf_sweep.py --work /tmp/sweep --table docs/sweeps/causal_lm_tp_pp.md [--only a,b]
+    python tests/scripts/hf_sweep.py --work /tmp/sweep --table docs/sweeps/causal_lm_cp2.md --layouts cp2
 """
 from __future__ import annotations
 

@@ -16,7 +16,7 @@ with a clear ``MegatronConfigError``. Steps:
    (tests/scripts/hf_sweep.py's launcher, pointed at the experts' matrix);
 3. the classified table (match / refused / crash / MISMATCH / hang) goes to ``--table``.
 
-    python tests/scripts/hf_sweep_experts.py --work /tmp/sweep_ep --table /work/notes/sweep_ep.md [--only a,b]
+    python tests/scripts/hf_sweep_experts.py --work /tmp/sweep_ep --table docs/sweeps/experts.md [--only a,b]
 """
 from __future__ import annotations
 

@@ -13,7 +13,7 @@ the seq2seq LMs of transformers' task mappings, each from a generic tiny config
 bug) -- then ``--tp 2`` and ``--pp 2`` on 2 processes. Every launch is watched: a model that makes no
 progress for ``--stall`` seconds is recorded as a hang, and the launch restarts after it.
 
-    python tests/scripts/hf_sweep_tasks.py --table /work/notes/sweep_enc.md [--only bert:mlm,vit:img]
+    python tests/scripts/hf_sweep_tasks.py --table docs/sweeps/encoders_tp_pp.md [--only bert:mlm,vit:img]
 """
 from __future__ import annotations
 

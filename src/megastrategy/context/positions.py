@@ -2,7 +2,7 @@
 
 The input hook passes every rank's global positions to the outermost module that takes
 ``position_ids`` when it got none. Two kinds of model number positions differently, and
-each silently used the wrong positions at cp2 (the sweep, /work/notes/sweep_cp.md):
+each silently used the wrong positions at cp2 (the sweep, docs/sweeps/causal_lm_cp2.md):
 
 * **Numbered from the padding index** (RoBERTa and its descendants): the position table has a
   ``padding_idx`` and the model numbers real tokens ``padding_idx + 1, + 2, ...`` from the

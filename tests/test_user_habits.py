@@ -6,20 +6,22 @@ process (two for the distributed optimizer at dp2): per-step losses, every row o
 metrics.csv (losses, per-loader validation losses, ``LearningRateMonitor``'s learning rates: the
 plateau halving, one-cycle, linear warm-up), the checkpoint ``ModelCheckpoint(monitor="val_loss")``
 keeps, ``trainer.validate`` before ``fit``, a second ``fit`` on the same Trainer, and embeddings
-unfrozen at an epoch's start (the gradient buffer follows ``requires_grad``). A stage holding
-nothing trainable is in tests/pipeline/test_frozen_stage.py, loading the best checkpoint with
-``load_from_checkpoint`` in tests/test_load_from_checkpoint.py.
+unfrozen at an epoch's start (the gradient buffer follows ``requires_grad``), and a pp2 stage holding
+nothing trainable under an optimizer over the trainable parameters (its optimizer starts with one
+empty group). Loading the best checkpoint with ``load_from_checkpoint`` is in
+tests/test_load_from_checkpoint.py.
 """
 import pytest
 
-from tests.helpers.habit_runs import FROZEN_EMBEDDINGS, FROZEN_LAYERS, REFIT, UNFREEZE, habit_run
+from tests.helpers.habit_runs import FROZEN_EMBEDDINGS, FROZEN_FIRST_STAGE, FROZEN_LAYERS, REFIT, UNFREEZE, habit_run
 
 TOL = 2e-4
 pytestmark = pytest.mark.slow
 
 CASES = {"frozen-embeddings-tp2": ("tp2", "ddp", FROZEN_EMBEDDINGS), "frozen-layers-pp2": ("pp2", "ddp", FROZEN_LAYERS),
          "refit-pp2": ("pp2", "ddp", REFIT), "frozen-embeddings-dp2-zero": ("dp2-zero", "ddp2", FROZEN_EMBEDDINGS),
-         "unfreeze-tp2": ("tp2", "ddp", UNFREEZE), "unfreeze-pp2": ("pp2", "ddp", UNFREEZE)}
+         "unfreeze-tp2": ("tp2", "ddp", UNFREEZE), "unfreeze-pp2": ("pp2", "ddp", UNFREEZE),
+         "frozen-first-stage-pp2": ("pp2", "ddp", FROZEN_FIRST_STAGE)}
 
 
 def _same_csv(ours: list[dict], ref: list[dict]) -> None:

@@ -34,7 +34,7 @@ from megastrategy.config import MegatronConfig, split_strategy_arguments
 from megastrategy.ddp.overlap_policy import resolve_overlap_grad_reduce
 from megastrategy.ddp.user_clip import UserNormClipping, parameter_ids
 from megastrategy.parallel_state import ParallelLayout, ParallelState
-from megastrategy.pipeline.frozen_stage import explain_empty_optimizer
+from megastrategy.pipeline.frozen_stage import empty_optimizers_allowed
 from megastrategy.pipeline.step_runner import StepRunner
 from megastrategy.outside_run_guard import guard_outside_runs
 from megastrategy.rank_zero import log_on_rank_zero
@@ -207,11 +207,8 @@ class MegatronStrategy(LightningStepMethods, CheckpointMethods, ReplicaCollectiv
         self._ctx.overlap_grad_reduce = overlap
         log.debug("megastrategy: overlap_grad_reduce=%s (%s)", overlap, why)
         self.components.each("on_fit_setup", module, self._ctx)
-        try:
+        with empty_optimizers_allowed(module, self._ctx.stage):
             self.setup_optimizers(trainer)
-        except ValueError as error:  # torch's "empty parameter list" on a stage with nothing to train
-            explain_empty_optimizer(module, self._ctx.stage, error)
-            raise
         self.optimizers = self.components.chain("wrap_optimizers", self.optimizers)
 
     def configure_ddp(self) -> None:

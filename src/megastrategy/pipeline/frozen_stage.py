@@ -1,36 +1,45 @@
-"""Say why ``configure_optimizers`` failed on a pipeline stage that holds nothing to train.
+"""Let a pipeline stage whose parameters are all frozen build the user's optimizer.
 
-A fine-tuning module freezes its embeddings and first encoder layers and builds its optimizer
+A fine-tuning module freezes its embeddings and first encoder layers (or Lightning's
+``BackboneFinetuning`` freezes the whole backbone until a chosen epoch) and builds its optimizer
 from ``filter(lambda p: p.requires_grad, self.parameters())``. On one device that list holds the
 upper layers and the head; under ``pp > 1`` ``configure_optimizers`` runs on every stage and sees
-only that stage's parameters, so a stage whose parameters are all frozen hands torch an empty list
-and torch answers ``optimizer got an empty parameter list``, which names neither the stage nor a
-way out. An optimizer built from all parameters works on such a stage (frozen parameters get no
-gradient and are never updated, as under DDP), which is what the message proposes.
+only that stage's parameters, so a stage whose parameters are all frozen hands torch an empty list,
+and torch refuses it (``optimizer got an empty parameter list``).
+
+On such a stage the user's optimizer is built with one empty parameter group instead: it steps
+nothing, as one device's optimizer steps none of those frozen parameters, keeps the group's
+hyperparameters (a scheduler and ``BackboneFinetuning`` read ``param_groups[0]["lr"]``), and takes
+the stage's parameters when a callback unfreezes them and calls ``add_param_group``, as one
+device's optimizer does.
 """
 from __future__ import annotations
 
-from typing import Optional
+from contextlib import contextmanager
+from typing import Iterator, Optional
 
+import torch
 from torch import nn
 
-from megastrategy.errors import MegatronConfigError
-
-__all__ = ["explain_empty_optimizer"]
+__all__ = ["empty_optimizers_allowed"]
 
 
-def explain_empty_optimizer(module: nn.Module, stage: Optional[object], error: ValueError) -> None:
-    """Raise a :class:`MegatronConfigError` from ``error`` when ``stage`` holds no trainable
-    parameter (the cause of torch's empty-list error); otherwise return and let ``error`` stand."""
+@contextmanager
+def empty_optimizers_allowed(module: nn.Module, stage: Optional[object]) -> Iterator[None]:
+    """While the user's ``configure_optimizers`` runs on a stage holding nothing trainable, torch
+    optimizers given an empty parameter list get one empty group; elsewhere nothing changes."""
     if stage is None or any(p.requires_grad for p in module.parameters()):
+        yield
         return
-    layers = ", ".join(str(i) for chunk in stage.chunks for i in chunk)
-    raise MegatronConfigError(
-        f"configure_optimizers failed on pipeline stage {stage.pp_rank} of {stage.pp_size} ({error}): every "
-        f"parameter this stage holds (layers {layers} of {stage.stack_path} and the modules with them) is frozen "
-        "(requires_grad=False), so an optimizer built "
-        "from the trainable parameters is empty here. Build the optimizer from all parameters "
-        "(torch.optim.AdamW(self.parameters(), ...): frozen ones get no gradient and are not updated, as under "
-        "DDP), freeze fewer of the first layers, or use a smaller pp (Lightning's BackboneFinetuning, which freezes "
-        "the whole backbone and adds it to the optimizer later, needs every stage to hold something trainable)."
-    ) from error
+    original = torch.optim.Optimizer.__init__
+
+    def init(optimizer: torch.optim.Optimizer, params, defaults: dict) -> None:
+        if not isinstance(params, torch.Tensor):
+            params = list(params) or [{"params": []}]
+        original(optimizer, params, defaults)
+
+    torch.optim.Optimizer.__init__ = init
+    try:
+        yield
+    finally:
+        torch.optim.Optimizer.__init__ = original

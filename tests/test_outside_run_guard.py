@@ -84,3 +84,33 @@ def test_a_whole_module_pickles_without_its_record():
 
     net, _ = _guarded(sharding="")
     assert record_of(pickle.loads(pickle.dumps(net))) is None
+
+
+class Lit(Net):
+    """A LightningModule's shape: a ``setup`` hook and the ``_trainer`` Lightning attaches."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._trainer, self.set_up = None, []
+
+    def setup(self, stage: str) -> None:
+        self.set_up.append(stage)
+
+
+def test_another_strategys_trainer_is_refused_in_setup_and_a_megatron_one_runs_the_users_hook():
+    from lightning.pytorch.strategies import DDPStrategy
+
+    from megastrategy import MegatronStrategy
+
+    lit = Lit()
+    guard_outside_runs(lit, attach_record(lit, SimpleNamespace(lightning_module=lit)), "pp=2")
+    lit._trainer = SimpleNamespace(strategy=DDPStrategy())
+    with pytest.raises(MegatronConfigError, match=r"a Trainer with DDPStrategy outside a Trainer run.*same arguments"):
+        lit.setup("fit")
+    assert lit.set_up == []
+    lit._trainer = SimpleNamespace(strategy=MegatronStrategy(pp=2))
+    lit.setup("fit")
+    assert lit.set_up == ["fit"]
+    clone = copy.deepcopy(lit)  # the copy's hook is the copy's
+    clone.setup("test")
+    assert clone.set_up == ["fit", "test"] and lit.set_up == ["fit"]

@@ -40,7 +40,7 @@ pytestmark = pytest.mark.slow
 
 AFTER_FIT = ["evaluate-after-fit", "second-fit", "second-fit-other-layout", "second-fit-via-checkpoint", "second-fit-resumed",
              "forward-rank-zero", "state-dict-rank-zero", "deepcopy-rank-zero", "save-pretrained-rank-zero",
-             "plain-trainer-rank-zero", "new-trainer-test", "pickle-rank-zero"]
+             "plain-trainer-rank-zero", "new-trainer-test", "pickle-rank-zero", "ddp-trainer-after-fit"]
 MORE = ["base-finetuning", "backbone-finetuning", "plateau-monitor-clip-value", "two-val-loaders",
         "resize-embeddings-gpt2", "resize-embeddings-llama"]
 DATA = ["second-fit", "forward-rank-zero", "state-dict-rank-zero"]
@@ -167,10 +167,22 @@ def test_deepcopy_after_fit_works_and_its_forward_is_refused(layout):
 @pytest.mark.parametrize("layout", SPLIT)
 def test_a_plain_one_device_trainer_on_rank_zero_after_fit_is_refused_not_hung(layout):
     """``L.Trainer(devices=1).test(model)`` on rank 0: DDP's one-device test; here the split module's
-    forward refuses (at tp2 it waited for rank 1) and names what works."""
+    ``setup`` hook refuses that Trainer (at tp2 its forward waited for rank 1) and names what works."""
     ours, ref = _pair(layout, "plain-trainer-rank-zero")
     assert ref["raised"] is None and ref["tested"][0]["test_loss"] > 0
     assert ours["tested"] is None and "outside a Trainer run of the MegatronStrategy" in ours["raised"]
+
+
+@pytest.mark.parametrize("layout", SPLIT)
+def test_a_ddp_trainer_after_fit_is_refused_before_it_touches_the_weights(layout):
+    """A second phase with ``Trainer(strategy="ddp")`` on the split module: DDP's wrapper broadcast
+    rank 0's shards over rank 1's before anything refused (the weights in memory damaged); now the
+    module's ``setup`` hook refuses on every rank, naming what works, and no weight moves."""
+    ours, ref = _pair(layout, "ddp-trainer-after-fit")
+    assert ref["raised"] is None and ref["trained"] == ref["moved_ranks"] == 1
+    assert ours["raised"].startswith("MegatronConfigError: a Trainer with DDPStrategy outside a Trainer run")
+    assert "MegatronStrategy of the same arguments" in ours["raised"] and "consolidate('ckpt')" in ours["raised"]
+    assert ours["trained"] == ours["moved_ranks"] == 0
 
 
 @pytest.mark.parametrize("layout", SPLIT)

@@ -374,6 +374,28 @@ def plain_trainer_on_rank_zero(args, workdir):
 HABITS["plain-trainer-rank-zero"] = plain_trainer_on_rank_zero
 
 
+def ddp_trainer_after_fit(args, workdir):
+    """A new ``Trainer(strategy="ddp")`` on every rank fitting the module after the first fit (switching
+    to Lightning's own strategy for a second phase). ``moved_ranks``: on how many ranks the weights
+    changed (training moves them; so did DDP's wrapper, broadcasting rank 0's shards over the others)."""
+    import torch.distributed as dist
+
+    t, module, losses = _fitted(args)
+    before = [p.detach().clone() for p in module.parameters()]
+    second = StepLosses()
+    other = L.Trainer(accelerator="cpu", devices=args.devices, strategy="ddp", max_steps=1, limit_val_batches=0,
+                      logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                      callbacks=[second])
+    _, raised = _raised(lambda: other.fit(module))
+    trained = len(second.losses)
+    moved = torch.tensor([float(any(not torch.equal(a, p.detach()) for a, p in zip(before, module.parameters())))])
+    dist.all_reduce(moved)
+    return {"losses": losses, "raised": raised, "trained": trained, "moved_ranks": int(moved.item())}
+
+
+HABITS["ddp-trainer-after-fit"] = ddp_trainer_after_fit
+
+
 def new_trainer_test(args, workdir):
     """``fit`` on one Trainer, ``test`` and ``predict`` on a new one with a new strategy of the same arguments."""
     _, module, losses = _fitted(args)

@@ -24,6 +24,16 @@ def assert_lora_matches_ddp(*layout: str) -> None:
     assert max(abs(a - b) for a, b in zip(ours["losses"], reference["losses"])) < 2e-4
     assert abs(ours["val_loss"] - reference["val_loss"]) < 2e-4
     assert ours["frozen_held"] > 0 and ours["base_moved"] == 0 == reference["base_moved"]
+    _assert_whole_adapters_match(ours["adapters"], reference["adapters"])
+
+
+def _assert_whole_adapters_match(ours: dict, reference: dict) -> None:
+    """The trained adapter weights every rank holds whole (``A`` of column layers, ``B`` of row layers; all
+    of them under pp) equal one device's: a gradient summed over the wrong ranks moves them apart."""
+    whole = [n for n, (shape, _) in ours.items() if reference[n][0] == shape]
+    assert len(whole) >= 7, whole  # one per targeted linear layer of a block at least
+    for n in whole:
+        assert abs(ours[n][1] - reference[n][1]) <= 1e-4 * max(1.0, reference[n][1]), (n, ours[n], reference[n])
 
 
 def meta_lora_llama(**lora):

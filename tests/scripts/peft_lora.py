@@ -34,16 +34,21 @@ class LoraLlama(CausalLMSteps):
         self.frozen_at_start = {n: p.detach().clone() for n, p in self.named_parameters() if not p.requires_grad}
 
     def frozen_report(self, trainer: L.Trainer) -> dict:
-        """How many frozen parameters this rank holds, and how many of them training moved."""
+        """How many frozen parameters this rank holds, how many of them training moved, and each trained
+        adapter weight's shape and sum of squares (the test compares those tp leaves whole)."""
         held = dict(self.named_parameters())
         moved = sum(not torch.equal(held[n], p) for n, p in self.frozen_at_start.items())
-        return {"base_moved": moved, "frozen_held": len(self.frozen_at_start)}
+        adapters = {n: [list(p.shape), float(p.detach().double().square().sum())]
+                    for n, p in held.items() if p.requires_grad}
+        return {"base_moved": moved, "frozen_held": len(self.frozen_at_start), "adapters": adapters}
 
 
 if __name__ == "__main__":
     parser = layout_parser()
     parser.add_argument("--targets", default="q_proj+v_proj")
+    parser.add_argument("--sequence-parallel", action="store_true")
     args = parser.parse_args()
     L.seed_everything(0)
     module = LoraLlama(args.targets)
-    fit_and_report(args, module, random_token_rows(), max_steps=4, extra=module.frozen_report)
+    megatron = {"sequence_parallel": True} if args.sequence_parallel else {}
+    fit_and_report(args, module, random_token_rows(), max_steps=4, extra=module.frozen_report, **megatron)

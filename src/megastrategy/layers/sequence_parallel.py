@@ -60,6 +60,7 @@ import torch
 from torch import Tensor, nn
 
 from megastrategy.errors import MegatronConfigError
+from megastrategy.layers.lora_sequence_parallel import sharded_column_adapters, whole_adapter_params
 from megastrategy.layers.mappings import (
     ProcessGroupRef,
     SharedInputCopy,
@@ -434,7 +435,6 @@ def check_sequence_parallel_support(module: nn.Module, pipeline_layers: Optional
     from megastrategy.pipeline.stage import find_layer_stack
 
     path, stack = find_layer_stack(module, pipeline_layers)
-    _refuse_lora_adapters(path, stack)
     known = [_known_block(b) for b in stack]
     if known[0] is not None:
         return "residual"
@@ -442,21 +442,6 @@ def check_sequence_parallel_support(module: nn.Module, pipeline_layers: Optional
         if not _norms_of(b):
             raise _no_norm_error(f"{path}.{i}", b)
     return "norms"
-
-
-def _refuse_lora_adapters(path: str, stack: nn.ModuleList) -> None:
-    """PEFT LoRA adapters under tp are sharded beside their base layers, but under sequence
-    parallelism the whole half of each adapter would read sequence-split tensors: not reproduced
-    exactly yet, so refused."""
-    from megastrategy.layers.lora_plan import is_lora_layer
-
-    lora = next((f"{path}.{n}" for n, m in stack.named_modules() if is_lora_layer(m)), None)
-    if lora is not None:
-        raise MegatronConfigError(
-            f"sequence_parallel=True with the PEFT LoRA layer {lora}: LoRA adapters train exactly under tp, pp and "
-            "dp, but not yet with sequence parallelism. Use sequence_parallel=False, "
-            "or merge the adapters first (model.merge_and_unload())."
-        )
 
 
 @dataclass
@@ -654,6 +639,8 @@ class _SequenceParallelInstaller:
                 continue
             for p in m.parameters(recurse=False):
                 self.tag(p)
+        for p in whole_adapter_params(b, row_split=True):  # also inside the attention modules
+            self.tag(p)
 
     def _gathering_owner(self, b: nn.Module, opath: str) -> nn.Module:
         """The attention module at ``opath`` of block ``b``, hooked to gather its input."""
@@ -712,14 +699,18 @@ class _SequenceParallelInstaller:
 
         for b in blocks:
             self._split_norms(b)
+            adapters = sharded_column_adapters(b)  # fed A's output (split like the norm's), not a norm's
             for m in b.modules():
                 if isinstance(m, ColumnParallelLinear):
                     m.sequence_parallel, m.sequence_dim = True, self.dim
                     m.input_copy = self.column_gather(m)
                     self.setup.column_layers.append(self.name_of(m))
-                    self.setup.handles.append(
-                        m.register_forward_pre_hook(_ColumnInputCheck(self.name_of(m), self.name_of(b)))
-                    )
+                    if id(m) not in adapters:
+                        self.setup.handles.append(
+                            m.register_forward_pre_hook(_ColumnInputCheck(self.name_of(m), self.name_of(b)))
+                        )
+            for p in whole_adapter_params(b, row_split=False):
+                self.tag(p)
             shape_check = _BlockShapeCheck(self.dim, self.name_of(b))
             self.setup.handles.append(b.register_forward_hook(shape_check, with_kwargs=True))
 

@@ -10,6 +10,7 @@ from torch import nn
 
 from megastrategy.errors import MegatronConfigError
 from megastrategy.layers.builtin_plans import BuiltinUnit, is_conv1d
+from megastrategy.layers.lora_plan import LORA_ADVICE, is_lora_layer, lora_members, lora_unsupported
 from megastrategy.layers.plan.context import PlanContext
 from megastrategy.layers.plan.layer_kinds import is_linear, is_weight_layer, style_fits, style_hint, type_name
 from megastrategy.layers.plan.match import Effective
@@ -113,9 +114,20 @@ def draft_entries(ctx: PlanContext, effective: dict[str, Effective]) -> Drafts:
             if hit is not None:
                 unit, bstyle, bextra = hit
                 drafts[n] = DraftEntry.builtin(bstyle, unit.source, unit, bextra)
+        elif style in ("column", "row") and is_lora_layer(m):
+            drafts.update(_lora_entries(n, m, style, rule.glob, rule.source))
         else:
             drafts[n] = _explicit_entry(n, m, style, rule.glob, rule.source, hit)
     return drafts
+
+
+def _lora_entries(n: str, m: nn.Module, style: str, glob: str, source: str) -> Drafts:
+    """A user's column/row entry naming a layer PEFT wrapped with LoRA: the base layer and the adapter
+    half that follows it take the style (:mod:`megastrategy.layers.lora_plan`), as a declared plan's do."""
+    unsupported = lora_unsupported(m)
+    if unsupported:
+        raise MegatronConfigError(f"tp_plan[{glob!r}]={style!r} matches {n!r}: {unsupported}. {LORA_ADVICE}")
+    return {name: DraftEntry(member_style, source) for name, member_style, _ in lora_members(n, m, style, {})}
 
 
 def _explicit_entry(n: str, m: nn.Module, style: str, glob: str, source: str, hit: Any) -> DraftEntry:

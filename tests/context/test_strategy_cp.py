@@ -103,9 +103,9 @@ def test_a_model_cp_cannot_run_exactly_is_refused_before_any_group():
     part.validate(LlamaLM(), _layout(2))  # a model it can run passes
 
 
-def test_recompute_with_cp_is_refused_in_the_constructor():
-    with pytest.raises(MegatronConfigError, match=r"activation_checkpointing='full', cp=2.*activation_checkpointing=None"):
-        MegatronStrategy(cp=2, activation_checkpointing="full")
+@pytest.mark.parametrize("mode", ["full", "selective"])
+def test_recompute_with_cp_is_accepted_in_the_constructor(mode):
+    assert MegatronStrategy(cp=2, activation_checkpointing=mode).component(ContextParallelComponent) is not None
 
 
 def test_the_component_is_in_the_strategy_only_when_cp_is_above_one():

@@ -13,6 +13,7 @@ from __future__ import annotations
 import copy
 import functools
 
+import pytest
 import torch
 import torch.distributed as dist
 
@@ -89,6 +90,8 @@ def _all_cases(rank, world_size):
     return {name: _run_case(name, *case, rank, world_size) for name, case in CASES.items()}
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(300)
 def test_every_recompute_form_matches_one_device_and_replays_under_the_ring():
     results = run_distributed(_all_cases, 2, timeout=240)[0]
     plain = {"gpt": results["gpt_plain"], "llama": results["llama_plain"]}

@@ -102,3 +102,92 @@ def test_every_recompute_form_matches_one_device_and_replays_under_the_ring():
         expected_calls = base_calls if name.endswith("selective") else 2 * base_calls
         assert calls == expected_calls, f"{name}: attention ran {calls} times, {expected_calls} expected"
         assert ring_bytes * 4 == base_bytes * 5, f"{name}: the ring sent {ring_bytes} bytes, {base_bytes} without recompute"
+
+
+# ---------------------------------------------------------------- the interception itself (one process)
+class _FakeSplit:
+    def __init__(self):
+        from megastrategy.context.hf_masks import MaskMarkers
+
+        self.masks = MaskMarkers()
+
+
+def _installed(split):
+    """A ReplayInSplit whose forward runs ``split`` (None: no split forward now); ``entered`` records replays."""
+    from contextlib import contextmanager
+
+    from megastrategy.context.recompute import ReplayInSplit
+
+    entered = []
+
+    @contextmanager
+    def replay(s):
+        entered.append(s)
+        yield
+
+    owner = ReplayInSplit(lambda: split, replay)
+    owner.install()
+    return owner, entered
+
+
+def test_torchs_checkpoint_is_restored_when_the_last_owner_is_removed():
+    import torch.utils.checkpoint as tc
+
+    saved = (tc._checkpoint_without_reentrant_generator, tc.CheckpointFunction)
+    first, _ = _installed(None)
+    second, _ = _installed(None)
+    first.remove()
+    assert tc.CheckpointFunction is not saved[1]  # the second one still needs it
+    second.remove()
+    assert (tc._checkpoint_without_reentrant_generator, tc.CheckpointFunction) == saved
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_the_replay_enters_the_split_and_gets_the_forwards_mask_marker(reentrant):
+    from torch.utils.checkpoint import checkpoint
+
+    split = _FakeSplit()
+    marker = split.masks.make((True, None), 2, 3)
+    seen = []
+
+    def block(x, mask):
+        seen.append(mask)
+        return (x * 2).sin()
+
+    owner, entered = _installed(split)
+    try:
+        x = torch.randn(2, 3, requires_grad=True)
+        checkpoint(block, x, marker, use_reentrant=reentrant).sum().backward()
+    finally:
+        owner.remove()
+    runs = 2 if reentrant else 1  # the reentrant checkpoint also calls the function it got for the forward
+    assert entered == [split] * runs, "the replay ran outside the split"
+    assert len(seen) == 2 and all(m is marker for m in seen), "the replay got another mask than the forward's marker"
+    torch.testing.assert_close(x.grad, 2 * (2 * x.detach()).cos())
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_a_pipeline_step_installed_later_still_sees_its_boundary_block(reentrant):
+    """pp's handler (pipeline/user_checkpoint.py) wraps cp's: a stage's boundary block runs plainly (never
+    replayed), any other checkpoint replays in the split."""
+    from torch import nn
+    from torch.utils.checkpoint import checkpoint
+
+    from megastrategy.pipeline.stage import PipelineStage
+    from megastrategy.pipeline.user_checkpoint import UserCheckpoints
+
+    model = nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 3))
+    stage = PipelineStage(stack_path="", chunks=[[0, 1]], pp_rank=0, pp_size=2, vp_size=1)
+    model[1].register_forward_hook(stage._post_hook)  # inactive stage: the hook does nothing
+    calls = {0: 0, 1: 0}
+    for i in (0, 1):
+        model[i].register_forward_pre_hook(lambda m, a, i=i: calls.__setitem__(i, calls[i] + 1))
+    split = _FakeSplit()
+    owner, entered = _installed(split)
+    try:
+        with UserCheckpoints().step("training_step", model):
+            x = torch.randn(2, 3, requires_grad=True)
+            checkpoint(model[1], checkpoint(model[0], x, use_reentrant=reentrant), use_reentrant=reentrant).sum().backward()
+    finally:
+        owner.remove()
+    assert calls == {0: 2, 1: 1} and entered == [split] * (2 if reentrant else 1)

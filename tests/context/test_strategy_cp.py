@@ -54,7 +54,9 @@ LAUNCHES = {
         _case("cp2pp2", cp=2, pp=2, model_kwargs=NOPAD), _case("dp2cp2", cp=2),
         _case("tp2cp2_full", tp=2, cp=2, activation_checkpointing="full"),
         _case("cp2pp2_full", cp=2, pp=2, model_kwargs=NOPAD, activation_checkpointing="full"),
-        _case("cp2pp2_hf", cp=2, pp=2, model_kwargs=NOPAD, recompute="hf")],
+        _case("cp2pp2_hf", cp=2, pp=2, model_kwargs=NOPAD, recompute="hf"),
+        # the stage's hooks sit on the user's wrapper, the checkpoint inside it: replayed at cp2 under pp
+        _case("cp2pp2_user_reentrant", cp=2, pp=2, model_kwargs=NOPAD, recompute="user_reentrant")],
 }
 # (case, its world size, the DDP reference, the reference's world size)
 EQUIVALENT = [
@@ -65,13 +67,13 @@ EQUIVALENT = [
     ("cp2_clip_accumulate", 2, "ddp_clip", 1),
     ("cp2_full", 2, "ddp", 1), ("cp2_selective", 2, "ddp", 1), ("cp2_hf", 2, "ddp", 1), ("cp2_user", 2, "ddp", 1),
     ("cp2_user_reentrant", 2, "ddp", 1), ("tp2cp2_full", 4, "ddp", 1), ("cp2pp2_full", 4, "ddp_nopad", 1),
-    ("cp2pp2_hf", 4, "ddp_nopad", 1),
+    ("cp2pp2_hf", 4, "ddp_nopad", 1), ("cp2pp2_user_reentrant", 4, "ddp_nopad", 1),
 ]
 # (recomputing case, its world size, the same layout without recompute, whether whole blocks are recomputed)
 RECOMPUTED = [
     ("cp2_full", 2, "cp2", True), ("cp2_selective", 2, "cp2", False), ("cp2_hf", 2, "cp2", True),
     ("cp2_user", 2, "cp2", True), ("cp2_user_reentrant", 2, "cp2", True), ("tp2cp2_full", 4, "tp2cp2", True),
-    ("cp2pp2_full", 4, "cp2pp2", True), ("cp2pp2_hf", 4, "cp2pp2", True),
+    ("cp2pp2_full", 4, "cp2pp2", True), ("cp2pp2_hf", 4, "cp2pp2", True), ("cp2pp2_user_reentrant", 4, "cp2pp2", True),
 ]
 
 

@@ -57,8 +57,6 @@ CONSTRUCTOR_RULES: tuple[Rule, ...] = (
     Rule("ep", {"ep": 2, "cp": 2}, "`ep > 1` with `cp > 1`"),
     Rule("cp_layout", {"cp": 2, "cp_layout": "zigzag"}, _BAD_VALUES),
     Rule("cp_output", {"cp": 2, "cp_output": "logits"}, _BAD_VALUES),
-    Rule("activation_checkpointing", {"cp": 2, "activation_checkpointing": "full"},
-         "`activation_checkpointing` with `cp > 1`"),
     Rule("sequence_parallel", {"sequence_parallel": True, "tp": 1},
          "`sequence_parallel=True` with `tp=1`, or a model it cannot split"),
     Rule("backend", {"backend": "cuda"}, "`backend` not `auto`/`torch`/`te`; `fp8=True` with `backend=\"torch\"`"),
@@ -223,12 +221,6 @@ class MegatronConfig:
     def _check_features(self) -> None:
         validate_sequence_parallel(tp=self.tp, sequence_parallel=self.sequence_parallel)
         validate_recompute_mode(self.activation_checkpointing)
-        if self.cp > 1 and self.activation_checkpointing is not None:
-            raise MegatronConfigError(
-                f"MegatronStrategy(activation_checkpointing={self.activation_checkpointing!r}, cp={self.cp}): "
-                "recompute would replay the blocks outside the split microbatch, where ring attention and global "
-                "positions are not active. Use activation_checkpointing=None with cp > 1, or recompute with cp=1."
-            )
         if self.backend not in BACKENDS:
             raise MegatronConfigError(f"backend={self.backend!r}: use one of {', '.join(map(repr, BACKENDS))}.")
         validate_fp8(self.fp8, self.backend)

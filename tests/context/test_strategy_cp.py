@@ -26,9 +26,9 @@ LLAMA, NOPAD, BERT = "llama", {"pad": False}, "bert-metrics"
 
 
 def _case(name, model=LLAMA, strategy="megatron", model_kwargs=None, trainer=None, expect_error=False, resume=False,
-          **kwargs):
+          recompute=None, **kwargs):
     return {"name": name, "model": model, "strategy": strategy, "kwargs": kwargs, "model_kwargs": model_kwargs or {},
-            "trainer": trainer or {}, "expect_error": expect_error, "resume": resume}
+            "trainer": trainer or {}, "expect_error": expect_error, "resume": resume, "recompute": recompute}
 
 
 # SGD feels the gradient's scale (Adam does not): a norm counted once per cp rank would show
@@ -43,10 +43,20 @@ LAUNCHES = {
         _case("cp2_bert", model=BERT, cp=2),
         _case("cp2_clip_accumulate", cp=2, **CLIP),
         _case("cp2_distopt_resumed", cp=2, use_distributed_optimizer=True, resume=True),  # saved halfway, resumed
+        # activation recompute, every form (the user's recompute: tests/context/checkpointed_models.py)
+        _case("cp2_full", cp=2, activation_checkpointing="full"),
+        _case("cp2_selective", cp=2, activation_checkpointing="selective"),
+        _case("cp2_hf", cp=2, recompute="hf"), _case("cp2_user", cp=2, recompute="user"),
+        _case("cp2_user_reentrant", cp=2, recompute="user_reentrant"),
         _case("balanced_seq14", cp=2, model_kwargs={"seq": 14}, expect_error=True),
         _case("contiguous_seq15", cp=2, cp_layout="contiguous", model_kwargs={"seq": 15}, expect_error=True)],
     4: [_case("cp4", cp=4), _case("tp2cp2", tp=2, cp=2), _case("tp2cp2_sp", tp=2, cp=2, sequence_parallel=True),
-        _case("cp2pp2", cp=2, pp=2, model_kwargs=NOPAD), _case("dp2cp2", cp=2)],
+        _case("cp2pp2", cp=2, pp=2, model_kwargs=NOPAD), _case("dp2cp2", cp=2),
+        _case("tp2cp2_full", tp=2, cp=2, activation_checkpointing="full"),
+        _case("cp2pp2_full", cp=2, pp=2, model_kwargs=NOPAD, activation_checkpointing="full"),
+        _case("cp2pp2_hf", cp=2, pp=2, model_kwargs=NOPAD, recompute="hf"),
+        # the stage's hooks sit on the user's wrapper, the checkpoint inside it: replayed at cp2 under pp
+        _case("cp2pp2_user_reentrant", cp=2, pp=2, model_kwargs=NOPAD, recompute="user_reentrant")],
 }
 # (case, its world size, the DDP reference, the reference's world size)
 EQUIVALENT = [
@@ -55,15 +65,25 @@ EQUIVALENT = [
     ("cp2pp2", 4, "ddp_nopad", 1), ("dp2cp2", 4, "ddp_dp2", 2), ("cp2_distopt", 2, "ddp", 1),
     ("cp2_bert", 2, "ddp_bert", 1), ("cp2_distopt_resumed", 2, "ddp", 1),
     ("cp2_clip_accumulate", 2, "ddp_clip", 1),
+    ("cp2_full", 2, "ddp", 1), ("cp2_selective", 2, "ddp", 1), ("cp2_hf", 2, "ddp", 1), ("cp2_user", 2, "ddp", 1),
+    ("cp2_user_reentrant", 2, "ddp", 1), ("tp2cp2_full", 4, "ddp", 1), ("cp2pp2_full", 4, "ddp_nopad", 1),
+    ("cp2pp2_hf", 4, "ddp_nopad", 1), ("cp2pp2_user_reentrant", 4, "ddp_nopad", 1),
+]
+# (recomputing case, its world size, the same layout without recompute, whether whole blocks are recomputed)
+RECOMPUTED = [
+    ("cp2_full", 2, "cp2", True), ("cp2_selective", 2, "cp2", False), ("cp2_hf", 2, "cp2", True),
+    ("cp2_user", 2, "cp2", True), ("cp2_user_reentrant", 2, "cp2", True), ("tp2cp2_full", 4, "tp2cp2", True),
+    ("cp2pp2_full", 4, "cp2pp2", True), ("cp2pp2_hf", 4, "cp2pp2", True), ("cp2pp2_user_reentrant", 4, "cp2pp2", True),
 ]
 
 
 def _launch(nprocs: int) -> dict:
-    return run_script(SCRIPT, nprocs, ["--cases", json.dumps(LAUNCHES[nprocs])], timeout=400)
+    return run_script(SCRIPT, nprocs, ["--cases", json.dumps(LAUNCHES[nprocs])], timeout=800)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name, nprocs, ref_name, ref_nprocs", EQUIVALENT, ids=[e[0] for e in EQUIVALENT])
+@pytest.mark.timeout(900)
 def test_cp_trains_as_ddp(name, nprocs, ref_name, ref_nprocs):
     ours, ref = _launch(nprocs)[name], _launch(ref_nprocs)[ref_name]
     assert len(ours["train_loss"]) == len(ref["train_loss"]) > 0
@@ -77,6 +97,22 @@ def test_cp_trains_as_ddp(name, nprocs, ref_name, ref_nprocs):
     for key in ("val_acc", "train_acc_epoch"):  # torchmetrics synced over replicas, not cp ranks
         if key in ref["metrics"]:
             assert ours["metrics"][key] == pytest.approx(ref["metrics"][key], abs=1e-6), key
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name, nprocs, plain, blocks", RECOMPUTED, ids=[r[0] for r in RECOMPUTED])
+@pytest.mark.timeout(900)
+def test_recompute_really_replays_under_the_ring(name, nprocs, plain, blocks):
+    """Attention modules run again in backward (not with selective, which recomputes only the attention
+    function), and the ring carries one more forward's K/V: forward 1 unit, backward 3 (K/V and both
+    gradients), so 5/4 of the bytes without recompute. (Under pp the stage's probing forwards, unsplit and
+    never replayed, also count as calls.)"""
+    ours, base = _launch(nprocs)[name], _launch(nprocs)[plain]
+    calls = (ours["attention_calls"], base["attention_calls"])
+    assert calls[0] > calls[1] > 0 if blocks else calls[0] == calls[1] > 0, calls
+    assert 4 * ours["ring_bytes"] == 5 * base["ring_bytes"] > 0, (ours["ring_bytes"], base["ring_bytes"])
+    if nprocs == 2:  # every training forward is split there: each one replayed once
+        assert calls[0] == (2 if blocks else 1) * calls[1], calls
 
 
 @pytest.mark.slow
@@ -103,9 +139,9 @@ def test_a_model_cp_cannot_run_exactly_is_refused_before_any_group():
     part.validate(LlamaLM(), _layout(2))  # a model it can run passes
 
 
-def test_recompute_with_cp_is_refused_in_the_constructor():
-    with pytest.raises(MegatronConfigError, match=r"activation_checkpointing='full', cp=2.*activation_checkpointing=None"):
-        MegatronStrategy(cp=2, activation_checkpointing="full")
+@pytest.mark.parametrize("mode", ["full", "selective"])
+def test_recompute_with_cp_is_accepted_in_the_constructor(mode):
+    assert MegatronStrategy(cp=2, activation_checkpointing=mode).component(ContextParallelComponent) is not None
 
 
 def test_the_component_is_in_the_strategy_only_when_cp_is_above_one():

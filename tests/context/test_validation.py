@@ -82,10 +82,11 @@ def test_attention_in_a_helper_or_chosen_by_implementation_name_is_refused_in_se
     _refused(nn.Sequential(NamedImplementationAttention()), "comparing config._attn_implementation", "cp=1")
 
 
-def test_gradient_checkpointing_is_refused():
+def test_gradient_checkpointing_passes_validation():
+    """Its replay runs in the split microbatch (context/recompute.py; tests/context/test_recompute.py)."""
     model = tm.llama("sdpa")
     getattr(model, "activation_checkpointing_enable", model.gradient_checkpointing_enable)()
-    _refused(model, "gradient checkpointing")
+    ContextParallel.validate(model, 2)
 
 
 def test_sequence_head_without_an_encoder_is_refused():

@@ -3,8 +3,11 @@ the same seed, under DDPStrategy or MegatronStrategy(**kwargs). Starting N proce
 than a tiny run, so one launch checks every layout of one world size.
 
 ``--cases`` is JSON: ``[{"name", "model", "strategy": "ddp"|"megatron", "kwargs": {...},
-"model_kwargs": {...}, "trainer": {...}, "expect_error": bool, "resume": bool}]`` (refusal cases go last).
-Rank 0 writes ``{name: {"train_loss", "val_loss", "metrics", "gathered"} | {"error": message}}``.
+"model_kwargs": {...}, "trainer": {...}, "expect_error": bool, "resume": bool, "recompute": form}]``
+(refusal cases go last; ``recompute``: how the user recomputes the Hugging Face model's blocks, a key
+of ``RECOMPUTE_FORMS``). Rank 0 writes ``{name: {"train_loss", "val_loss", "metrics", "gathered",
+"ring_bytes", "attention_calls"} | {"error": message}}``; ``attention_calls`` counts the attention
+modules' training calls, replays included.
 """
 from __future__ import annotations
 
@@ -21,6 +24,7 @@ import lightning as L  # noqa: E402
 import torch  # noqa: E402
 from lightning.pytorch.strategies import DDPStrategy  # noqa: E402
 
+from tests.context import checkpointed_models as cm  # noqa: E402
 from tests.helpers.models import MODELS  # noqa: E402
 from tests.scripts.train import Recorder  # noqa: E402
 
@@ -38,11 +42,21 @@ class RingTraffic(L.Callback):
         self.bytes_sent = part.context.ring.bytes_sent if part is not None and part.context is not None else 0
 
 
+RECOMPUTE_FORMS = {
+    "hf": lambda model: cm.hf_gradient_checkpointing(model, reentrant=False),
+    "user": lambda model: cm.checkpoint_blocks(model, reentrant=False),
+    "user_reentrant": lambda model: cm.checkpoint_blocks(model, reentrant=True),
+}
+
+
 def fit(case: dict, devices: int, max_steps: int, n_train: int, callbacks: list, **fit_kwargs):
     """One Trainer over a fresh module from the same seed; returns (trainer, module)."""
     torch.set_num_threads(1)
     L.seed_everything(7, verbose=False)
     module = MODELS[case["model"]](n_layer=2, n_train=n_train, **case.get("model_kwargs", {}))
+    if case.get("recompute"):
+        RECOMPUTE_FORMS[case["recompute"]](module.model)
+    module.attention_calls = cm.count_attention_calls(module, "self_attn")
     if case["strategy"] == "ddp":
         strategy = DDPStrategy()
     else:
@@ -75,7 +89,7 @@ def run_case(case: dict, steps: int, devices: int, folder: Path) -> dict:
             raise
         return {"error": f"{type(error).__name__}: {error}"}
     return {"train_loss": rec.train_loss, "val_loss": rec.val_loss, "gathered": getattr(module, "gathered", []),
-            "ring_bytes": ring.bytes_sent, "metrics": {k: float(v) for k, v in trainer.callback_metrics.items()}}
+            "ring_bytes": ring.bytes_sent, "attention_calls": module.attention_calls[0], "metrics": {k: float(v) for k, v in trainer.callback_metrics.items()}}
 
 
 def main() -> None:

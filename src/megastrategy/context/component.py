@@ -4,7 +4,8 @@ Training microbatches are split along the sequence over the cp ranks and run ins
 :meth:`ContextParallel.forward_context`; the gradient buffers then average over dp×cp
 (``SetupContext.grad_reduce_group``), which gives the one-device gradient. Evaluation
 (validation, test, predict) runs unsplit: every cp rank computes the whole sequence, so
-outputs, logs and metrics are exactly those of one device.
+outputs, logs and metrics are exactly those of one device. A checkpointed block (any activation
+recompute) replays in backward inside the split it was recorded in (recompute.py).
 """
 from __future__ import annotations
 

@@ -18,11 +18,12 @@ the single-device gradient (token losses seed ``cp ×`` their share; see ``token
 from __future__ import annotations
 
 from collections import OrderedDict
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from typing import Any, Optional
 
 import torch
 from torch import nn
+from torch.overrides import _get_current_function_mode_stack
 
 from megastrategy.context import hooks
 from megastrategy.context.attention_dispatch import ActiveSplit, hf_attention, hf_mask
@@ -31,6 +32,7 @@ from megastrategy.context.gather import gather_sequence
 from megastrategy.context.hf_integration import HFAttentionSwitch, causal_lm_loss, hf_pretrained_models
 from megastrategy.context.microbatch import split_microbatch
 from megastrategy.context.positions import padding_index_numbering
+from megastrategy.context.recompute import ReplayInSplit
 from megastrategy.context.ring import Ring
 from megastrategy.context.validation import gather_point, resolve_layout, resolve_output, validate
 
@@ -48,6 +50,8 @@ class ContextParallel:
         self.output: Optional[str] = None
         self._states: OrderedDict[int, tuple[Any, Any]] = OrderedDict()
         self._active: Optional[ActiveSplit] = None
+        self._mode: Optional[ContextParallelMode] = None
+        self._replays = ReplayInSplit(self._current, self.replay)
         self._handles: list = []
         self._switch: Optional[HFAttentionSwitch] = None
         self._causal_lm = False
@@ -80,6 +84,7 @@ class ContextParallel:
             _, encoder = gather_point(model)
             self._handles.append(encoder.register_forward_hook(hooks.gather_hook(self._current, self.gather_sequence)))
         self._handles.extend(hooks.install_tracker(model, self._current))
+        self._replays.install()
 
     def transform_microbatch(self, batch: Any, training: bool = True) -> Any:
         """This rank's part of ``batch``: every ``(batch, sequence, ...)`` tensor split along the sequence."""
@@ -100,15 +105,37 @@ class ContextParallel:
             raise RuntimeError("forward_context needs the exact object transform_microbatch returned")
         if self._active is not None:
             raise RuntimeError("forward_context is not re-entrant")
-        self._active = ActiveSplit(entry[1], self.ring)
-        mode = ContextParallelMode(self._active, self.group, token_losses=self.output == "tokens")
+        with self._entered(ActiveSplit(entry[1], self.ring)) as split:
+            yield split.state
+
+    @contextmanager
+    def replay(self, split: ActiveSplit):
+        """Run a checkpoint's replay (recompute.py) in the split its forward ran in; inside that forward
+        already (a backward called from the training step) only the function mode is made sure of."""
+        if self._active is None:
+            with self._entered(split):
+                yield
+            return
+        if self._active is not split:
+            raise RuntimeError("a checkpoint of one split microbatch was replayed during another one's forward")
+        with nullcontext() if self._mode in _get_current_function_mode_stack() else self._mode_for(split):
+            yield
+
+    @contextmanager
+    def _entered(self, split: ActiveSplit):
+        """Everything a split forward needs: the split, ring attention in the configs, the function mode."""
+        self._active = split
         self._switch.enter()
         try:
-            with mode:
-                yield self._active.state
+            with self._mode_for(split) as mode:
+                self._mode = mode
+                yield split
         finally:
             self._switch.exit()
-            self._active = None
+            self._active, self._mode = None, None
+
+    def _mode_for(self, split: ActiveSplit) -> ContextParallelMode:
+        return ContextParallelMode(split, self.group, token_losses=self.output == "tokens")
 
     def gather_sequence(self, local: torch.Tensor, dim: int = 1) -> torch.Tensor:
         """The whole sequence of a split activation, in global order (differentiable)."""
@@ -124,5 +151,6 @@ class ContextParallel:
         if self._switch is not None:
             self._switch.remove()
             self._switch = None
+        self._replays.remove()
         self._states.clear()
         self._active = None

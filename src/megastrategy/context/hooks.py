@@ -5,6 +5,9 @@
   positions.py), and makes global a run the model numbered itself from the local length.
   A Hugging Face causal LM given ``labels`` also gets ``shift_labels`` shifted on the global
   sequence.
+* Cache: a training forward builds no KV cache (``use_cache=False`` where the model takes it). It
+  would hold only this rank's keys, and a checkpoint's replay (recompute.py) appends the block's
+  keys to it a second time, so the replayed attention saw twice the local keys.
 * Gather: where the model pools the whole sequence, the hook replaces the hidden states with
   the gathered sequence.
 * Tracker: the running module's name, so refusals say where attention was computed.
@@ -41,6 +44,7 @@ def input_hook(get_split: GetSplit, module: nn.Module) -> Callable:
     signature = inspect.signature(module.forward)
     causal_lm = causal_lm_loss(module)
     takes_shift = "shift_labels" in signature.parameters or _var_keyword(signature) is not None
+    takes_cache = "use_cache" in signature.parameters
 
     def hook(_module, args, kwargs):
         split = get_split()
@@ -54,6 +58,8 @@ def input_hook(get_split: GetSplit, module: nn.Module) -> Callable:
             _set_argument(bound, signature, "position_ids", ids)
         else:  # numbered by the model from the local length (a BART decoder): made global
             bound.arguments["position_ids"] = globalize(given, state.positions)
+        if takes_cache and state.training:
+            bound.arguments["use_cache"] = False
         labels = bound.arguments.get("labels")
         if causal_lm and takes_shift and state.shift_labels is not None and isinstance(labels, torch.Tensor):
             if labels.shape == state.shift_labels.shape:

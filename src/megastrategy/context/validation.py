@@ -109,11 +109,6 @@ def _class_source(cls: type) -> str:
     return "\n".join(parts)
 
 
-def _checkpointing(hf_model: nn.Module) -> bool:
-    flag = "is_activation_checkpointing" if hasattr(type(hf_model), "is_activation_checkpointing") else "is_gradient_checkpointing"
-    return bool(getattr(hf_model, flag, False))
-
-
 def validate(model: nn.Module, cp: int, layout: str = "auto", output: str = "auto") -> None:
     """Raise :class:`MegatronConfigError` if ``model`` cannot run exactly with context parallelism ``cp``."""
     if not isinstance(cp, int) or isinstance(cp, bool) or cp < 1:
@@ -125,11 +120,6 @@ def validate(model: nn.Module, cp: int, layout: str = "auto", output: str = "aut
     _check_configs(model)
     check_sequence_mixers(model)
     _check_attention_modules(model)
-    if any(_checkpointing(m) for _, m in hf_pretrained_models(model)):
-        raise MegatronConfigError(
-            "gradient checkpointing (model.gradient_checkpointing_enable()) with cp > 1: the recomputed forward would "
-            "run outside the split microbatch. Disable it (model.gradient_checkpointing_disable())."
-        )
     if resolve_output(model, output) == "sequence" and gather_point(model) is None:
         raise MegatronConfigError(
             f"output={output!r} resolves to 'sequence' (the head pools the whole sequence), which needs a Hugging Face "

@@ -43,6 +43,12 @@ sequence-parallel hooks behave as without recomputation. Parameter names, ``stat
 keys and module types are unchanged; ``copy.deepcopy`` of the module works (the copy
 recomputes its own forward). Under ``torch.no_grad`` (evaluation) nothing is checkpointed.
 
+Context parallelism
+-------------------
+With ``cp > 1`` every checkpoint started inside a split forward (these, Hugging Face's, the user's
+own) replays in backward inside the same split microbatch: ring attention, global positions, token
+losses (:mod:`megastrategy.context.recompute`). Nothing here depends on it.
+
 Hugging Face gradient checkpointing
 -----------------------------------
 A Hugging Face model on which the user called ``gradient_checkpointing_enable()`` would

@@ -37,7 +37,8 @@ MATRIX = Path(__file__).resolve().parent / "hf_matrix.py"
 REPO = MATRIX.parents[2]
 LAYOUTS = {"tp2": ("megatron", 2, ["--tp", "2"]), "pp2": ("megatron", 2, ["--pp", "2"]),
            "cp2": ("megatron", 2, ["--cp", "2"]),  # cp2: hf_matrix's 12 tokens split into 2*cp = 4 chunks
-           "tp2cp2": ("megatron", 4, ["--tp", "2", "--cp", "2"])}
+           "tp2cp2": ("megatron", 4, ["--tp", "2", "--cp", "2"]),
+           "tp2pp2": ("megatron", 4, ["--tp", "2", "--pp", "2"])}
 TOL = 2e-4
 
 

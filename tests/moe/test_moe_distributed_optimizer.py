@@ -59,6 +59,15 @@ def test_zero1_with_experts_matches_ddp(case):
     assert ours["expert_state_fraction"] == pytest.approx(1 / EDP.get(case, 1))  # ZeRO-1 over edp
     assert ref["losses"][0] != ref["losses"][-1], "the reference did not train"
     assert _max_diff(ours["losses"], ref["losses"]) < TOL, (ours["losses"], ref["losses"])
+    _assert_same_norms(ours["grad_norms"], ref["grad_norms"])
+
+
+def _assert_same_norms(ours: list, ref: list) -> None:
+    """strategy.grad_norm() (2 and inf), what clipping uses: every expert counted once."""
+    assert len(ours) == len(ref) > 0
+    for mine, theirs in zip(ours, ref):
+        assert min(theirs) > 0
+        assert mine == pytest.approx(theirs, rel=1e-4), (ours, ref)
 
 
 def test_the_clipped_cases_clip():
@@ -72,6 +81,7 @@ def test_tp2_ep2_zero1_matches_ddp():
     for case, result in ours.items():
         assert result["expert_state_fraction"] == pytest.approx(0.5), case  # edp = 4 / (etp·ep) = 2
         assert _max_diff(result["losses"], _ddp()[case]["losses"]) < TOL, case
+        _assert_same_norms(result["grad_norms"], _ddp()[case]["grad_norms"])
 
 
 def test_epoch_checkpoint_resumes_exactly_with_and_without_zero1():

@@ -107,13 +107,29 @@ def expert_main_offset(trainer) -> float:
     return float(max(offsets)) if offsets else 0.0
 
 
+class GradNorms(L.Callback):
+    """The whole model's gradient norm before each step (2 and inf): ``trainer.strategy.grad_norm``
+    under ours, torch's norm of every ``p.grad`` under DDP (before clipping in both)."""
+
+    def __init__(self) -> None:
+        self.norms: list[list[float]] = []
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+        if hasattr(trainer.strategy, "grad_norm"):
+            norms = [trainer.strategy.grad_norm(p) for p in (2.0, float("inf"))]
+        else:
+            grads = [p.grad for p in pl_module.parameters() if p.grad is not None]
+            norms = [torch.nn.utils.get_total_norm(grads, p) for p in (2.0, float("inf"))]
+        self.norms.append([float(n) for n in norms])
+
+
 def fit(case: dict, args, epochs: int, ckpt_dir=None, ckpt_path=None):
     from lightning.pytorch.callbacks import ModelCheckpoint
 
     os.environ.update(_ENV)
     L.seed_everything(0, verbose=False)
-    module, losses = build(case), step_losses_callback()
-    callbacks = [losses]
+    module, losses, norms = build(case), step_losses_callback(), GradNorms()
+    callbacks = [losses, norms]
     if ckpt_dir is not None:
         callbacks.append(ModelCheckpoint(dirpath=ckpt_dir, filename="{epoch}", save_top_k=-1, every_n_epochs=1,
                                          save_on_train_epoch_end=True))
@@ -124,6 +140,7 @@ def fit(case: dict, args, epochs: int, ckpt_dir=None, ckpt_path=None):
         gradient_clip_val=case.get("clip"),
     )
     trainer.fit(module, ckpt_path=ckpt_path)
+    trainer.grad_norms = norms.norms
     return losses.losses, trainer
 
 
@@ -132,7 +149,7 @@ def train_one(name: str, args) -> dict:
     epochs = case.get("epochs", 1)
     ckpt_dir = Path(args.out).parent / f"{name}-{args.strategy}-tp{args.tp}" if epochs > 1 else None
     losses, trainer = fit(case, args, epochs, ckpt_dir=ckpt_dir)
-    result = {"losses": losses, "optimizer": type(trainer.optimizers[0]).__name__}
+    result = {"losses": losses, "optimizer": type(trainer.optimizers[0]).__name__, "grad_norms": trainer.grad_norms}
     if args.strategy == "megatron":
         result["expert_state_fraction"] = expert_state_fraction(trainer)
         result["expert_main_offset"] = expert_main_offset(trainer)

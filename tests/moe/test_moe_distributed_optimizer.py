@@ -1,7 +1,8 @@
 """The distributed optimizer (ZeRO-1) and bf16-true with MoE layers, against Lightning's DDPStrategy.
 
 Three launches (tests/scripts/moe_zero.py, many fits each): DDP on 2 processes, ours on 2
-(ep2: edp=1; ep1: experts replicated, edp=2) and ours on 4 (tp2·ep2·etp1: dense dp=2, edp=2). The
+(ep2: edp=1; ep1: experts replicated, edp=2, also with overlap_grad_reduce and
+overlap_param_gather over several buckets of each buffer) and ours on 4 (tp2·ep2·etp1: dense dp=2, edp=2). The
 repo's MoE GPT and Hugging Face Mixtral / Qwen3-MoE train with the same per-step losses (2e-4),
 with the experts' optimizer state sharded over the expert-data-parallel ranks, gradient clipping
 counting every expert once, a per-step LR scheduler over parameter groups that split dense and
@@ -24,10 +25,10 @@ from tests.helpers.launch import run_script
 
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "moe_zero.py"
 TOL = 2e-4
-MATCHED = ["gpt-adamw-sched", "gpt-sgd-clip", "gpt-dp-experts-replicated", "mixtral-clip", "qwen3-sched"]
+MATCHED = ["gpt-adamw-sched", "gpt-sgd-clip", "gpt-dp-experts-replicated", "gpt-overlap", "mixtral-clip", "qwen3-sched"]
 OURS = [*MATCHED, "gpt-resume", "gpt-bf16", "gpt-bf16-zero"]
 REFERENCE = [*OURS, "gpt-sgd", "mixtral", "gpt-fp32"]
-EDP = {"gpt-dp-experts-replicated": 2}  # edp on 2 processes (ep1); the others are ep2: edp=1
+EDP = {"gpt-dp-experts-replicated": 2, "gpt-overlap": 2}  # edp on 2 processes (ep1); the others are ep2: edp=1
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
 
@@ -57,6 +58,8 @@ def test_zero1_with_experts_matches_ddp(case):
     ours, ref = _ours()[case], _ddp()[case]
     assert ours["optimizer"] == "DistributedOptimizer"
     assert ours["expert_state_fraction"] == pytest.approx(1 / EDP.get(case, 1))  # ZeRO-1 over edp
+    if case == "gpt-overlap":  # the dense and the expert buffer's gathers both finished in forward pre-hooks
+        assert len(ours["gathers_waited_in_forward"]) == 2 and min(ours["gathers_waited_in_forward"]) > 0
     assert ref["losses"][0] != ref["losses"][-1], "the reference did not train"
     assert _max_diff(ours["losses"], ref["losses"]) < TOL, (ours["losses"], ref["losses"])
     _assert_same_norms(ours["grad_norms"], ref["grad_norms"])

@@ -30,6 +30,8 @@ CASES = {
     "gpt-sgd-clip": dict(model="moe-gpt", ep=2, zero=True, optimizer="sgd", clip=0.05),
     "gpt-sgd": dict(model="moe-gpt", ep=2, zero=True, optimizer="sgd"),  # DDP only: the clip bites
     "gpt-dp-experts-replicated": dict(model="moe-gpt", ep=1, zero=True, optimizer="sgd", clip=0.05),
+    # both buffers reduce-scattered during backward and gathered in the next forward, several buckets each
+    "gpt-overlap": dict(model="moe-gpt", ep=1, zero=True, optimizer="adamw-sched", overlap=True),
     "mixtral-clip": dict(model="mixtral", ep=2, zero=True, optimizer="sgd", clip=0.05),
     "mixtral": dict(model="mixtral", ep=2, zero=True, optimizer="sgd"),  # DDP only: the clip bites
     "qwen3-sched": dict(model="qwen3_moe", ep=2, zero=True, optimizer="adamw-sched"),
@@ -84,7 +86,9 @@ def strategy_for(case: dict, args, module):
     from megastrategy import MegatronStrategy
 
     plan = getattr(module, "TP_PLAN", None) if args.tp > 1 else None
-    return MegatronStrategy(tp=args.tp, ep=case["ep"], etp=1, tp_plan=plan, use_distributed_optimizer=case["zero"])
+    overlap = dict(overlap_grad_reduce=True, overlap_param_gather=True, bucket_numel=3000) if case.get("overlap") else {}
+    return MegatronStrategy(tp=args.tp, ep=case["ep"], etp=1, tp_plan=plan, use_distributed_optimizer=case["zero"],
+                            **overlap)
 
 
 def expert_state_fraction(trainer) -> float:
@@ -153,6 +157,8 @@ def train_one(name: str, args) -> dict:
     if args.strategy == "megatron":
         result["expert_state_fraction"] = expert_state_fraction(trainer)
         result["expert_main_offset"] = expert_main_offset(trainer)
+        gathers = getattr(trainer.optimizers[0], "param_gathers", {})  # overlap_param_gather: per buffer
+        result["gathers_waited_in_forward"] = [g.num_waited_in_forward for _, g in sorted(gathers.items())]
     if ckpt_dir is not None:  # the same layout; then without ZeRO-1 (the saved state is torch's plain format)
         result["resumed"], _ = fit(case, args, epochs, ckpt_path=str(ckpt_dir / "epoch=0.ckpt"))
         result["resumed_plain"], _ = fit({**case, "zero": False}, args, epochs, ckpt_path=str(ckpt_dir / "epoch=0.ckpt"))

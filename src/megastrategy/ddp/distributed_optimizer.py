@@ -12,6 +12,11 @@ gradients, only the owned shards hold averaged gradients, and only they are upda
 * :meth:`DistributedOptimizer.step` updates the owned pieces, then every rank all-gathers the
   updated values of each bucket and copies them into the model's parameters.
 
+With MoE layers the optimizer spans two buffers, each sharded over its own group (the dense one
+over the data-parallel ranks, the experts' over the expert-data-parallel ranks): every piece
+knows its buffer, and reductions, gathers and the state's collectives run per buffer over that
+buffer's group, in the same order on every rank.
+
 Main weights of contiguous fp32 parameters are views of the parameters themselves (updated in
 place, no extra memory); other parameters (bf16, fp16, non-contiguous) get fp32 copies.
 
@@ -333,18 +338,16 @@ class DistributedOptimizer(torch.optim.Optimizer):
         for position, bucket in reversed(self._buckets()):  # the first layers' bucket (needed first) first
             buffer, gather = self.buffers[position], self.param_gathers.get(position)
             if gather is not None:
-                gather.start(bucket.index, self._owned_shard(bucket), bucket.numel(), buffer.dp_size)
+                gather.start(bucket.index, self._owned_shard(buffer, bucket), bucket.numel(), buffer.dp_size)
             else:
-                full = self._all_gather(buffer, self._owned_shard(bucket), bucket.numel())
+                full = self._all_gather(buffer, self._owned_shard(buffer, bucket), bucket.numel())
                 self._copy_into_params(position, bucket.index, full)
 
-    def _owned_shard(self, bucket) -> Tensor:
-        """This rank's shard of ``bucket`` holding its updated main weights (zeros in padding)."""
-        pieces = self._pieces_in(bucket)
-        buffer = pieces[0].buffer if pieces else next(b for b in self.buffers if bucket in b.buckets)
+    def _owned_shard(self, buffer: GradientBuffer, bucket) -> Tensor:
+        """This rank's shard of ``bucket`` of ``buffer`` holding its updated main weights (zeros in padding)."""
         s0, s1 = buffer.shard_range(bucket)
         shard = torch.zeros(s1 - s0, dtype=bucket.data.dtype, device=bucket.data.device)
-        for piece in pieces:
+        for piece in self._pieces_in(bucket):
             shard[piece.shard_lo : piece.shard_lo + piece.numel].copy_(piece.main.reshape(-1))
         return shard
 

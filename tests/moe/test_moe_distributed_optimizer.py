@@ -2,7 +2,7 @@
 
 Three launches (tests/scripts/moe_zero.py, many fits each): DDP on 2 processes, ours on 2
 (ep2: edp=1; ep1: experts replicated, edp=2, also with overlap_grad_reduce and
-overlap_param_gather over several buckets of each buffer) and ours on 4 (tp2·ep2·etp1: dense dp=2, edp=2). The
+overlap_param_gather over several buckets of each buffer, or with gradient accumulation) and ours on 4 (tp2·ep2·etp1: dense dp=2, edp=2). The
 repo's MoE GPT and Hugging Face Mixtral / Qwen3-MoE train with the same per-step losses (2e-4),
 with the experts' optimizer state sharded over the expert-data-parallel ranks, gradient clipping
 counting every expert once, a per-step LR scheduler over parameter groups that split dense and
@@ -25,10 +25,11 @@ from tests.helpers.launch import run_script
 
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "moe_zero.py"
 TOL = 2e-4
-MATCHED = ["gpt-adamw-sched", "gpt-sgd-clip", "gpt-dp-experts-replicated", "gpt-overlap", "mixtral-clip", "qwen3-sched"]
+MATCHED = ["gpt-adamw-sched", "gpt-sgd-clip", "gpt-dp-experts-replicated", "gpt-dp-accumulate", "gpt-overlap",
+           "mixtral-clip", "qwen3-sched"]
 OURS = [*MATCHED, "gpt-resume", "gpt-bf16", "gpt-bf16-zero"]
 REFERENCE = [*OURS, "gpt-sgd", "mixtral", "gpt-fp32"]
-EDP = {"gpt-dp-experts-replicated": 2, "gpt-overlap": 2}  # edp on 2 processes (ep1); the others are ep2: edp=1
+EDP = {"gpt-dp-experts-replicated": 2, "gpt-dp-accumulate": 2, "gpt-overlap": 2}  # edp on 2 processes (ep1); the others are ep2: edp=1
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
 

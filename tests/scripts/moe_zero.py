@@ -24,10 +24,12 @@ from tests.helpers.script_args import launcher_env, layout_parser, run_each, ste
 
 _ENV = launcher_env()  # Lightning's teardown removes the launcher's variables: restored before each fit
 
-# name: model, ep, ZeRO-1, precision, optimizer, gradient_clip_val (tp/etp come from the command line)
+# name: model, ep, ZeRO-1, optimizer, precision, gradient_clip_val, accumulate_grad_batches, both overlaps
+# (tp comes from the command line; etp=1)
 CASES = {
     "gpt-adamw-sched": dict(model="moe-gpt", ep=2, zero=True, optimizer="adamw-sched"),
     "gpt-sgd-clip": dict(model="moe-gpt", ep=2, zero=True, optimizer="sgd", clip=0.05),
+    "gpt-dp-accumulate": dict(model="moe-gpt", ep=1, zero=True, optimizer="sgd", clip=0.05, accumulate=2),
     "gpt-sgd": dict(model="moe-gpt", ep=2, zero=True, optimizer="sgd"),  # DDP only: the clip bites
     "gpt-dp-experts-replicated": dict(model="moe-gpt", ep=1, zero=True, optimizer="sgd", clip=0.05),
     # both buffers reduce-scattered during backward and gathered in the next forward, several buckets each
@@ -141,7 +143,7 @@ def fit(case: dict, args, epochs: int, ckpt_dir=None, ckpt_path=None):
         accelerator="cpu", devices=int(os.environ["WORLD_SIZE"]), strategy=strategy_for(case, args, module),
         max_epochs=epochs, limit_val_batches=0, logger=False, enable_checkpointing=ckpt_dir is not None,
         enable_progress_bar=False, enable_model_summary=False, callbacks=callbacks, precision=case.get("precision", "32-true"),
-        gradient_clip_val=case.get("clip"),
+        gradient_clip_val=case.get("clip"), accumulate_grad_batches=case.get("accumulate", 1),
     )
     trainer.fit(module, ckpt_path=ckpt_path)
     trainer.grad_norms = norms.norms

@@ -1,8 +1,9 @@
 """The distributed optimizer (ZeRO-1) and bf16-true with MoE layers, against Lightning's DDPStrategy.
 
-Three launches (tests/scripts/moe_zero.py, many fits each): DDP on 2 processes, ours on 2
-(ep2: edp=1; ep1: experts replicated, edp=2, also with overlap_grad_reduce and
-overlap_param_gather over several buckets of each buffer, or with gradient accumulation) and ours on 4 (tp2·ep2·etp1: dense dp=2, edp=2). The
+Four launches (tests/scripts/moe_zero.py, many fits each): DDP on 2 processes; ours on 2 (ep2:
+edp=1; ep1: experts replicated, edp=2, also with overlap_grad_reduce and overlap_param_gather
+over several buckets of each buffer, or with gradient accumulation); ours on 4 twice
+(tp2·ep2·etp1: edp=2; pp2·ep2: edp=1; dense dp=2 in both). The
 repo's MoE GPT and Hugging Face Mixtral / Qwen3-MoE train with the same per-step losses (2e-4),
 with the experts' optimizer state sharded over the expert-data-parallel ranks, gradient clipping
 counting every expert once, a per-step LR scheduler over parameter groups that split dense and
@@ -80,10 +81,18 @@ def test_the_clipped_cases_clip():
     assert _max_diff(ddp["mixtral"]["losses"], ddp["mixtral-clip"]["losses"]) > 5e-3
 
 
-def test_tp2_ep2_zero1_matches_ddp():
-    ours = _run("megatron", 4, ("gpt-sgd-clip", "mixtral-clip"), "--tp", "2")
+FOUR_PROCESSES = {  # layout: (arguments, cases, edp = 4 / (etp·ep·pp)); dense dp = 2 in both
+    "tp2-ep2-etp1": (("--tp", "2"), ("gpt-sgd-clip", "mixtral-clip"), 2),
+    "pp2-ep2": (("--pp", "2"), ("gpt-sgd-clip", "gpt-adamw-sched"), 1),
+}
+
+
+@pytest.mark.parametrize("layout", sorted(FOUR_PROCESSES))
+def test_four_process_layouts_match_ddp(layout):
+    extra, cases, edp = FOUR_PROCESSES[layout]
+    ours = _run("megatron", 4, cases, *extra)
     for case, result in ours.items():
-        assert result["expert_state_fraction"] == pytest.approx(0.5), case  # edp = 4 / (etp·ep) = 2
+        assert result["expert_state_fraction"] == pytest.approx(1 / edp), case
         assert _max_diff(result["losses"], _ddp()[case]["losses"]) < TOL, case
         _assert_same_norms(result["grad_norms"], _ddp()[case]["grad_norms"])
 

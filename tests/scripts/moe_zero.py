@@ -89,7 +89,7 @@ def strategy_for(case: dict, args, module):
 
     plan = getattr(module, "TP_PLAN", None) if args.tp > 1 else None
     overlap = dict(overlap_grad_reduce=True, overlap_param_gather=True, bucket_numel=3000) if case.get("overlap") else {}
-    return MegatronStrategy(tp=args.tp, ep=case["ep"], etp=1, tp_plan=plan, use_distributed_optimizer=case["zero"],
+    return MegatronStrategy(tp=args.tp, pp=args.pp, ep=case["ep"], etp=1, tp_plan=plan, use_distributed_optimizer=case["zero"],
                             **overlap)
 
 

@@ -97,12 +97,15 @@ def test_four_process_layouts_match_ddp(layout):
         _assert_same_norms(result["grad_norms"], _ddp()[case]["grad_norms"])
 
 
-def test_epoch_checkpoint_resumes_exactly_with_and_without_zero1():
+def test_epoch_checkpoint_resumes_exactly_with_and_without_zero1_and_on_ep1():
+    """Saved at ep2 with ZeRO-1; resumed on the same layout, without ZeRO-1, and at ep1 (experts
+    whole and replicated: their state resharded, then sharded over edp=2 by ZeRO-1, or not)."""
     ours = _ours()["gpt-resume"]
     assert len(ours["losses"]) == 8
     assert _max_diff(ours["losses"], _ddp()["gpt-resume"]["losses"]) < TOL
     assert _max_diff(ours["resumed"], ours["losses"][4:]) < 1e-6
-    assert _max_diff(ours["resumed_plain"], ours["losses"][4:]) < 1e-5
+    for other in ("resumed_plain", "resumed_ep1", "resumed_ep1_plain"):
+        assert _max_diff(ours[other], ours["losses"][4:]) < 1e-5, other
 
 
 @pytest.mark.parametrize("case, optimizer", [("gpt-bf16", "MainParamsOptimizer"), ("gpt-bf16-zero", "DistributedOptimizer")])

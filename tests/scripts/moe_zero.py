@@ -5,7 +5,7 @@ Qwen3-MoE from ``AutoModelForCausalLM.from_config`` trained with ``labels=``) un
 ``DDPStrategy`` or ``MegatronStrategy(ep=..., use_distributed_optimizer=...)``; rank 0 records the
 per-step losses and, under ours, which optimizer stepped and how much of the experts' optimizer
 state this rank holds (ZeRO-1 shards it over the expert-data-parallel ranks). ``*-resume`` cases
-save at the end of epoch 0 and resume on the same layout in a new Trainer.
+save at the end of epoch 0 and resume in a new Trainer on the same layout, without ZeRO-1, and at ep1.
 """
 from __future__ import annotations
 
@@ -42,6 +42,10 @@ CASES = {
     "gpt-bf16-zero": dict(model="moe-gpt", ep=2, zero=True, optimizer="adamw", precision="bf16-true"),
     "gpt-fp32": dict(model="moe-gpt", ep=2, zero=False, optimizer="adamw"),
 }
+
+
+RESUMES = {"resumed": {}, "resumed_plain": {"zero": False}, "resumed_ep1": {"ep": 1},
+           "resumed_ep1_plain": {"ep": 1, "zero": False}}
 
 
 def _configure(module: L.LightningModule, optimizer: str):
@@ -161,9 +165,9 @@ def train_one(name: str, args) -> dict:
         result["expert_main_offset"] = expert_main_offset(trainer)
         gathers = getattr(trainer.optimizers[0], "param_gathers", {})  # overlap_param_gather: per buffer
         result["gathers_waited_in_forward"] = [g.num_waited_in_forward for _, g in sorted(gathers.items())]
-    if ckpt_dir is not None:  # the same layout; then without ZeRO-1 (the saved state is torch's plain format)
-        result["resumed"], _ = fit(case, args, epochs, ckpt_path=str(ckpt_dir / "epoch=0.ckpt"))
-        result["resumed_plain"], _ = fit({**case, "zero": False}, args, epochs, ckpt_path=str(ckpt_dir / "epoch=0.ckpt"))
+    if ckpt_dir is not None:  # the same layout; without ZeRO-1 (the saved state is torch's plain format); at ep1
+        for key, change in RESUMES.items() if args.strategy == "megatron" else [("resumed", {})]:
+            result[key], _ = fit({**case, **change}, args, epochs, ckpt_path=str(ckpt_dir / "epoch=0.ckpt"))
     return result
 
 

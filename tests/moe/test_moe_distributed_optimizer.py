@@ -28,8 +28,8 @@ SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "moe_zero.py"
 TOL = 2e-4
 MATCHED = ["gpt-adamw-sched", "gpt-sgd-clip", "gpt-dp-experts-replicated", "gpt-dp-accumulate", "gpt-overlap",
            "mixtral-clip", "qwen3-sched"]
-OURS = [*MATCHED, "gpt-resume", "gpt-bf16", "gpt-bf16-zero"]
-REFERENCE = [*OURS, "gpt-sgd", "mixtral", "gpt-fp32"]
+OURS = [*MATCHED, "gpt-resume", "gpt-bf16", "gpt-bf16-zero", "gpt-bf16-resume"]
+REFERENCE = [*OURS[:-1], "gpt-sgd", "mixtral", "gpt-fp32"]
 EDP = {"gpt-dp-experts-replicated": 2, "gpt-dp-accumulate": 2, "gpt-overlap": 2}  # edp on 2 processes (ep1); the others are ep2: edp=1
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
@@ -116,3 +116,12 @@ def test_bf16_true_experts_keep_fp32_main_weights_and_track_fp32(case, optimizer
     relative = max(abs(a - b) / abs(b) for a, b in zip(ours["losses"], fp32["losses"]))
     assert relative < 2e-2, (ours["losses"], fp32["losses"])
     assert _max_diff(ours["losses"], _ddp()[case]["losses"]) <= 0.125  # one bf16 spacing at these losses
+
+
+def test_bf16_true_zero1_resumes_exactly_with_the_experts_main_weights():
+    """The resumed run ends with the uninterrupted run's fp32 expert main weights (restarting from
+    the bf16 parameters would lose what bf16 rounds away: ``expert_main_offset``)."""
+    ours = _ours()["gpt-bf16-resume"]
+    assert len(ours["losses"]) == 8 and ours["expert_main_offset"] > 0
+    assert ours["resumed"] == ours["losses"][4:]
+    assert ours["resumed_expert_main_checksum"] == ours["expert_main_checksum"] != 0

@@ -40,6 +40,9 @@ CASES = {
     "gpt-resume": dict(model="moe-gpt", ep=2, zero=True, optimizer="adamw-sched", epochs=2),
     "gpt-bf16": dict(model="moe-gpt", ep=2, zero=False, optimizer="adamw", precision="bf16-true"),
     "gpt-bf16-zero": dict(model="moe-gpt", ep=2, zero=True, optimizer="adamw", precision="bf16-true"),
+    # the experts' fp32 main weights travel in the checkpoint's optimizer state: the resume is exact
+    "gpt-bf16-resume": dict(model="moe-gpt", ep=2, zero=True, optimizer="adamw", precision="bf16-true", epochs=2,
+                            resumes=["resumed"]),
     "gpt-fp32": dict(model="moe-gpt", ep=2, zero=False, optimizer="adamw"),
 }
 
@@ -107,6 +110,19 @@ def expert_state_fraction(trainer) -> float:
     return sum(piece.numel for piece in pieces) / total if total else 0.0
 
 
+def expert_main_checksum(trainer) -> float:
+    """The experts' fp32 main weights at the end, summed with a weight per element (float64): equal
+    after an uninterrupted and a resumed run only if the resume restored them."""
+    from megastrategy.moe.integration import is_expert_parameter
+
+    total = 0.0
+    for piece in getattr(trainer.optimizers[0], "_pieces", []):
+        if is_expert_parameter(piece.param):
+            main = piece.main.detach().double().reshape(-1)
+            total += float((main * torch.arange(1, main.numel() + 1, dtype=torch.float64)).sum())
+    return total
+
+
 def expert_main_offset(trainer) -> float:
     """The largest difference between an expert parameter and its fp32 main weight: above zero
     only where the main weights keep what the bf16 parameters cannot (0 for fp32 parameters)."""
@@ -163,11 +179,14 @@ def train_one(name: str, args) -> dict:
     if args.strategy == "megatron":
         result["expert_state_fraction"] = expert_state_fraction(trainer)
         result["expert_main_offset"] = expert_main_offset(trainer)
+        result["expert_main_checksum"] = expert_main_checksum(trainer)
         gathers = getattr(trainer.optimizers[0], "param_gathers", {})  # overlap_param_gather: per buffer
         result["gathers_waited_in_forward"] = [g.num_waited_in_forward for _, g in sorted(gathers.items())]
     if ckpt_dir is not None:  # the same layout; without ZeRO-1 (the saved state is torch's plain format); at ep1
-        for key, change in RESUMES.items() if args.strategy == "megatron" else [("resumed", {})]:
-            result[key], _ = fit({**case, **change}, args, epochs, ckpt_path=str(ckpt_dir / "epoch=0.ckpt"))
+        keys = case.get("resumes", list(RESUMES)) if args.strategy == "megatron" else ["resumed"]
+        for key in keys:
+            result[key], resumed = fit({**case, **RESUMES[key]}, args, epochs, ckpt_path=str(ckpt_dir / "epoch=0.ckpt"))
+            result[f"{key}_expert_main_checksum"] = expert_main_checksum(resumed) if args.strategy == "megatron" else None
     return result
 
 

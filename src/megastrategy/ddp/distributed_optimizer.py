@@ -38,6 +38,7 @@ other than 0, the last pipeline stage's tied embedding), as in :func:`~megastrat
 from __future__ import annotations
 
 import math
+from functools import partial
 from typing import Any, Callable, Iterable, Optional, Sequence, Union
 
 import torch
@@ -366,8 +367,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 continue  # nothing is gathered
             bucket_of = {id(p): index for (pos, index), members in self._in_buffer.items() if pos == position
                          for _, p in members}
-            copy = lambda index, full, position=position: self._copy_into_params(position, index, full)  # noqa: E731
-            self.param_gathers[position] = ParamGather(buffer.group, copy, _unsupported)
+            self.param_gathers[position] = ParamGather(buffer.group, partial(self._copy_into_params, position), _unsupported)
             self.param_gathers[position].attach(module, bucket_of)
 
     def detach_param_gathers(self) -> None:

@@ -61,34 +61,26 @@ def test_the_main_weights_travel_in_the_optimizer_state():
     assert torch.equal(fresh_model.weight, model.weight)
 
 
-def test_the_strategy_wraps_optimizers_only_for_half_parameters_and_refuses_moe():
-    from types import SimpleNamespace
-
-    import pytest
-
+def test_the_strategy_wraps_optimizers_only_for_half_parameters_over_every_buffer():
     from megastrategy.ddp.optimizer_wrapping import wrap_optimizers
-
-    def wrap(s):  # the strategy's call, with the values it passes
-        s.optimizers = wrap_optimizers(s.optimizers, s.grad_buffer, distributed=s.use_distributed_optimizer,
-                                       with_experts=s.expert_grad_buffer is not None)
-    from megastrategy.errors import MegatronConfigError
 
     model, buffer, _ = _model_and_optimizer()
     user = torch.optim.AdamW(model.parameters())
-    strategy = SimpleNamespace(grad_buffer=buffer, use_distributed_optimizer=False, optimizers=[user],
-                               expert_grad_buffer=None)
-    wrap(strategy)
-    assert isinstance(strategy.optimizers[0], MainParamsOptimizer) and strategy.optimizers[0].param_groups is user.param_groups
+    wrapped = wrap_optimizers([user], [buffer], distributed=False)
+    assert isinstance(wrapped[0], MainParamsOptimizer) and wrapped[0].param_groups is user.param_groups
 
     fp32 = nn.Linear(2, 2)
-    plain = SimpleNamespace(grad_buffer=GradientBuffer(list(fp32.parameters()), group=None), optimizers=[user],
-                            use_distributed_optimizer=False, expert_grad_buffer=None)
-    wrap(plain)
-    assert plain.optimizers == [user]  # fp32 parameters: the user's optimizer as it is
+    plain = torch.optim.AdamW(fp32.parameters())
+    assert wrap_optimizers([plain], [GradientBuffer(list(fp32.parameters()), group=None)], distributed=False) == [plain]
 
-    strategy.optimizers, strategy.expert_grad_buffer = [user], object()
-    with pytest.raises(MegatronConfigError, match=r"bf16-true.*MoE.*bf16-mixed"):
-        wrap(strategy)
+    # bf16-true with MoE layers: one wrapper keeps fp32 main weights of the expert buffer's parameters too
+    experts = nn.Linear(4, 4).to(torch.bfloat16)
+    expert_buffer = GradientBuffer(list(experts.parameters()), group=None, grad_reduce_in_fp32=True)
+    both = torch.optim.SGD([*model.parameters(), *experts.parameters()], lr=1e-4)
+    wrapped = wrap_optimizers([both], [buffer, expert_buffer], distributed=False)[0]
+    assert isinstance(wrapped, MainParamsOptimizer)
+    assert {piece.buffer for piece in wrapped._pieces} == {buffer, expert_buffer}
+    assert all(piece.main.dtype == torch.float32 for piece in wrapped._pieces)
 
 
 def test_learning_rate_monitor_names_the_users_optimizer():

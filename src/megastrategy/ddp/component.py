@@ -46,7 +46,8 @@ from megastrategy.errors import MegatronConfigError
 from megastrategy.layers.shard_spec import get_shard_spec
 from megastrategy.rank_zero import log_on_rank_zero
 from megastrategy.moe.integration import (
-    clip_grad_norm_with_experts, dense_parameters, grad_norm_with_experts, is_expert_parameter,
+    clip_grad_norm_with_experts, dense_parameters, distributed_grad_norm_with_experts, grad_norm_with_experts,
+    is_expert_parameter,
 )
 
 __all__ = ["GradientBuffers", "grad_counts_here"]
@@ -116,10 +117,9 @@ class GradientBuffers(Component):
         if self._ctx is not None:
             refuse_zero_redundancy(optimizers, self.config, self._ctx.parallel_state.dp_ranks)
             refuse_shard_statistics(optimizers, self.config, self._ctx.parallel_state.dp_size)
-        with_experts = self._ctx is not None and self._ctx.num_moe_layers > 0
-        wrapped = wrap_optimizers(
-            optimizers, self.buffer, distributed=self.config.use_distributed_optimizer, with_experts=with_experts
-        )
+        # every buffer (dense first, then the experts'): one wrapper steps dense and expert parameters
+        buffers = list(self._ctx.grad_buffers) if self._ctx is not None else [self.buffer]
+        wrapped = wrap_optimizers(optimizers, buffers, distributed=self.config.use_distributed_optimizer)
         if self.config.overlap_param_gather and self._ctx is not None:
             for optimizer in wrapped:
                 if isinstance(optimizer, DistributedOptimizer):
@@ -171,8 +171,8 @@ class GradientBuffers(Component):
             TrainedModels.remove(self._ctx.module)
         self.wait_for_params()
         for optimizer in self._optimizers:
-            if isinstance(optimizer, DistributedOptimizer) and optimizer.param_gather is not None:
-                optimizer.param_gather.detach()
+            if isinstance(optimizer, DistributedOptimizer):
+                optimizer.detach_param_gathers()
         self._optimizers = []
         if self.buffer is not None:
             self.buffer.remove()
@@ -193,6 +193,9 @@ class GradientBuffers(Component):
         ctx = self._require_ctx()
         ps, counts_here = ctx.parallel_state, grad_counts_here(ctx)
         optimizers = [_unwrap(o) for o in optimizers]
+        if ctx.num_moe_layers and any(isinstance(o, DistributedOptimizer) for o in optimizers):
+            return _combined_norm([distributed_grad_norm_with_experts(o, parallel_state=ps, dense_counts_here=counts_here,
+                                                                      norm_type=norm_type) for o in optimizers], norm_type)
         if ctx.num_moe_layers:
             params = [p for o in optimizers for group in o.param_groups for p in group["params"]]
             return grad_norm_with_experts(params, parallel_state=ps, dense_counts_here=counts_here, norm_type=norm_type)
@@ -204,10 +207,7 @@ class GradientBuffers(Component):
             else:
                 params = [p for group in optimizer.param_groups for p in group["params"]]
                 norms.append(global_grad_norm(params, counts_here=counts_here, group=ps.mp_group, norm_type=norm_type))
-        if not norms:
-            return torch.zeros((), device=ctx.device)
-        stacked = torch.stack([n.float() for n in norms])
-        return stacked.max() if norm_type == float("inf") else stacked.pow(norm_type).sum().pow(1.0 / norm_type)
+        return _combined_norm(norms, norm_type) if norms else torch.zeros((), device=ctx.device)
 
     def clip_grad_norm(self, optimizer: Any, clip_val: Union[int, float]) -> torch.Tensor:
         """Clip by the true global norm: TP shards and PP stages each once, TP-replicated
@@ -216,6 +216,10 @@ class GradientBuffers(Component):
         ps, counts_here = ctx.parallel_state, grad_counts_here(ctx)
         optimizer = _unwrap(optimizer)
         params = [p for group in optimizer.param_groups for p in group["params"]]
+        if ctx.num_moe_layers and isinstance(optimizer, DistributedOptimizer):  # ZeRO-1 or bf16-true main weights
+            total = distributed_grad_norm_with_experts(optimizer, parallel_state=ps, dense_counts_here=counts_here)
+            optimizer.scale_grads_((float(clip_val) / (total + 1e-6)).clamp(max=1.0))
+            return total
         if ctx.num_moe_layers:
             return clip_grad_norm_with_experts(params, float(clip_val), parallel_state=ps, dense_counts_here=counts_here)
         if isinstance(optimizer, DistributedOptimizer):
@@ -261,6 +265,12 @@ def grad_counts_here(ctx: SetupContext) -> Callable[[nn.Parameter], bool]:
         return get_shard_spec(p) is not None or tp_rank == 0
 
     return counts_here
+
+
+def _combined_norm(norms: list, norm_type: float) -> torch.Tensor:
+    """The norm of several optimizers' gradients from each one's norm."""
+    stacked = torch.stack([n.float() for n in norms])
+    return stacked.max() if norm_type == float("inf") else stacked.pow(norm_type).sum().pow(1.0 / norm_type)
 
 
 def _unwrap(optimizer: Any) -> Any:

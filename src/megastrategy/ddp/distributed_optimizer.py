@@ -12,6 +12,11 @@ gradients, only the owned shards hold averaged gradients, and only they are upda
 * :meth:`DistributedOptimizer.step` updates the owned pieces, then every rank all-gathers the
   updated values of each bucket and copies them into the model's parameters.
 
+With MoE layers the optimizer spans two buffers, each sharded over its own group (the dense one
+over the data-parallel ranks, the experts' over the expert-data-parallel ranks): every piece
+knows its buffer, and reductions, gathers and the state's collectives run per buffer over that
+buffer's group, in the same order on every rank.
+
 Main weights of contiguous fp32 parameters are views of the parameters themselves (updated in
 place, no extra memory); other parameters (bf16, fp16, non-contiguous) get fp32 copies.
 
@@ -33,7 +38,8 @@ other than 0, the last pipeline stage's tied embedding), as in :func:`~megastrat
 from __future__ import annotations
 
 import math
-from typing import Any, Callable, Iterable, Optional, Sequence
+from functools import partial
+from typing import Any, Callable, Iterable, Optional, Sequence, Union
 
 import torch
 import torch.distributed as dist
@@ -53,11 +59,11 @@ MAIN_PARAM_KEY = "fp32_main_param"
 class _Piece:
     """The part ``[lo, hi)`` of ``param.view(-1)`` this rank owns, its main weight and gradient."""
 
-    __slots__ = ("param", "index", "lo", "hi", "bucket", "shard_lo", "main", "is_view", "param_ptr")
+    __slots__ = ("param", "index", "lo", "hi", "buffer", "bucket", "shard_lo", "main", "is_view", "param_ptr")
 
-    def __init__(self, param: nn.Parameter, index: int, lo: int, hi: int, bucket, shard_lo: int):
+    def __init__(self, param: nn.Parameter, index: int, lo: int, hi: int, buffer: GradientBuffer, bucket, shard_lo: int):
         self.param, self.index, self.lo, self.hi = param, index, lo, hi
-        self.bucket, self.shard_lo = bucket, shard_lo  # shard_lo: offset inside this rank's shard
+        self.buffer, self.bucket, self.shard_lo = buffer, bucket, shard_lo  # shard_lo: offset inside this rank's shard
         whole = lo == 0 and hi == param.numel()
         self.param_ptr = param.data_ptr()
         if param.dtype == torch.float32 and param.is_contiguous():
@@ -73,9 +79,9 @@ class _Piece:
     def numel(self) -> int:
         return self.hi - self.lo
 
-    def grad(self, buffer: GradientBuffer) -> Tensor:
-        """This piece's reduced gradient: a view into the gradient buffer (main's shape)."""
-        start = buffer.shard_range(self.bucket)[0] + self.shard_lo
+    def grad(self) -> Tensor:
+        """This piece's reduced gradient: a view into its gradient buffer (main's shape)."""
+        start = self.buffer.shard_range(self.bucket)[0] + self.shard_lo
         return self.bucket.data[start : start + self.numel].view(self.main.shape)
 
 
@@ -88,25 +94,32 @@ def _portable(value: Any) -> Any:
 
 
 class DistributedOptimizer(torch.optim.Optimizer):
-    """``optimizer`` rebuilt over this data-parallel rank's shards of ``buffer`` (ZeRO-1).
+    """``optimizer`` rebuilt over this rank's shards of its gradient buffers (ZeRO-1).
 
     Args:
         optimizer: the user's optimizer, as ``configure_optimizers`` returned it (not stepped;
             its ``param_groups`` become this optimizer's ``param_groups``).
-        buffer: the gradient buffer holding every parameter of ``optimizer`` that requires
-            grad, built with ``distributed_optimizer=True`` (any buffer when ``dp == 1``).
+        buffers: the gradient buffer (or buffers) holding every parameter of ``optimizer`` that
+            requires grad, each built with ``distributed_optimizer=True`` (any buffer when its
+            group has one rank). Each buffer is sharded over its own group: with MoE layers the
+            dense buffer over the data-parallel ranks, the expert buffer over the
+            expert-data-parallel ranks (Megatron's layout), one optimizer over both, so the
+            user's parameter groups and LR schedulers span dense and expert parameters alike.
 
     ``step()`` expects ``buffer.reduce()`` to have run since the last backward; it does nothing
     (but run the closure) when no gradient was accumulated, like a torch optimizer whose
     parameters have no ``.grad``.
     """
 
-    def __init__(self, optimizer: torch.optim.Optimizer, buffer: GradientBuffer) -> None:
+    def __init__(self, optimizer: torch.optim.Optimizer, buffers: Union[GradientBuffer, Sequence[GradientBuffer]]) -> None:
         if isinstance(optimizer, DistributedOptimizer):
             raise TypeError("DistributedOptimizer: the optimizer is already distributed.")
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"DistributedOptimizer needs a torch.optim.Optimizer, got {type(optimizer).__name__}.")
-        if self._needs_sharded_buffer and buffer.dp_size > 1 and not buffer.distributed_optimizer:
+        buffers = [buffers] if isinstance(buffers, GradientBuffer) else list(buffers)
+        if not buffers:
+            raise ValueError("DistributedOptimizer needs at least one gradient buffer.")
+        if self._needs_sharded_buffer and any(b.dp_size > 1 and not b.distributed_optimizer for b in buffers):
             raise ValueError(
                 "DistributedOptimizer needs a GradientBuffer built with distributed_optimizer=True "
                 "(buckets padded to a multiple of the data-parallel size and reduce-scattered)."
@@ -121,11 +134,12 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._building = False
         self.param_groups = optimizer.param_groups  # the SAME list and dicts: schedulers drive us
         self.user_optimizer = optimizer
-        self.buffer = buffer
+        self.buffers = buffers
         self._pieces: list[_Piece] = []
         self._group_pieces: list[list[_Piece]] = []
         self._indexed: list[nn.Parameter] = []  # the flat parameter list torch's state_dict numbers
-        self._in_buffer: dict[int, list[tuple[int, nn.Parameter]]] = {}  # bucket index -> [(index, param)]
+        # (buffer position, bucket index) -> [(index, param)]
+        self._in_buffer: dict[tuple[int, int], list[tuple[int, nn.Parameter]]] = {}
         for group in self.param_groups:
             self._group_pieces.append(self._add_params(group["params"]))
         inner_groups = [
@@ -133,7 +147,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             for group, pieces in zip(self.param_groups, self._group_pieces)
         ]
         self.shard_optimizer = self._rebuild(type(optimizer), inner_groups, optimizer.defaults)
-        self.param_gather: Optional[ParamGather] = None  # overlap_param_gather (enable_overlap_param_gather)
+        self.param_gathers: dict[int, ParamGather] = {}  # buffer position -> its overlapped gathers
 
     _needs_sharded_buffer = True
 
@@ -145,9 +159,30 @@ class DistributedOptimizer(torch.optim.Optimizer):
         return self.user_optimizer
 
     @property
+    def buffer(self) -> GradientBuffer:
+        """The first (dense) gradient buffer."""
+        return self.buffers[0]
+
+    @property
+    def param_gather(self) -> Optional[ParamGather]:
+        """The first buffer's overlapped parameter gathers (``overlap_param_gather``), if any."""
+        return next(iter(self.param_gathers.values()), None)
+
+    @staticmethod
+    def is_sharded(buffer: GradientBuffer) -> bool:
+        """Whether the ranks of ``buffer``'s group own different slices (else each owns everything)."""
+        return buffer.distributed_optimizer and buffer.dp_size > 1
+
+    @property
     def _sharded(self) -> bool:
-        """Whether data-parallel ranks own different slices (else each rank owns everything)."""
-        return self.buffer.distributed_optimizer and self.buffer.dp_size > 1
+        return any(self.is_sharded(b) for b in self.buffers)
+
+    def grad_device(self) -> torch.device:
+        """Where the gradients live (for norms computed on ranks without parameters too)."""
+        return next((b.params[0].main_grad.device for b in self.buffers if b.params), torch.device("cpu"))
+
+    def _buffer_of(self, p: nn.Parameter) -> Optional[int]:
+        return next((i for i, b in enumerate(self.buffers) if id(p) in b._bucket_of), None)
 
     # ------------------------------------------------------------------ construction
     @staticmethod
@@ -171,11 +206,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     def _add_params(self, params: Iterable[nn.Parameter]) -> list[_Piece]:
         pieces: list[_Piece] = []
-        buffer = self.buffer
         for p in params:
             index = len(self._indexed)
             self._indexed.append(p)
-            if id(p) not in buffer._bucket_of:
+            position = self._buffer_of(p)
+            if position is None:
                 if p.requires_grad:
                     raise ValueError(
                         f"DistributedOptimizer: a parameter of shape {tuple(p.shape)} is in the optimizer but "
@@ -183,13 +218,14 @@ class DistributedOptimizer(torch.optim.Optimizer):
                         "parameters when training starts)."
                     )
                 continue  # frozen: never has a gradient, never updated (as in torch)
+            buffer = self.buffers[position]
             bucket = buffer.bucket_of(p)
-            self._in_buffer.setdefault(bucket.index, []).append((index, p))
+            self._in_buffer.setdefault((position, bucket.index), []).append((index, p))
             start, end = bucket.ranges[id(p)]
             s0, s1 = buffer.shard_range(bucket)
             lo, hi = max(start, s0), min(end, s1)
             if lo < hi:
-                pieces.append(_Piece(p, index, lo - start, hi - start, bucket, lo - s0))
+                pieces.append(_Piece(p, index, lo - start, hi - start, buffer, bucket, lo - s0))
         self._pieces.extend(pieces)
         return pieces
 
@@ -253,10 +289,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 loss = closure()
         self.user_optimizer._opt_called = True  # what torch's LR schedulers check on the user's optimizer
         self.wait_for_param_gather()  # a parameter no forward used may still be pending
-        buffer = self.buffer
-        if not buffer.has_grads:
+        stepped = [b for b in self.buffers if b.has_grads]
+        if not stepped:
             return loss  # no backward since the last zero() (or a skipped step): nothing to apply
-        if not buffer.is_reduced:
+        if not all(b.is_reduced for b in stepped):
             raise RuntimeError(
                 "DistributedOptimizer.step(): the gradients have not been reduced; call buffer.reduce() "
                 "after the last backward and before step()."
@@ -268,8 +304,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
                     "DistributedOptimizer: a parameter's storage was replaced (param.data = ... or a device "
                     "move) after the optimizer was built; rebuild the optimizer."
                 )
-            grad = piece.grad(buffer)
-            piece.main.grad = grad if grad.dtype == torch.float32 else grad.float()
+            if piece.buffer.has_grads:  # a buffer without gradients: its parameters are skipped, as in torch
+                grad = piece.grad()
+                piece.main.grad = grad if grad.dtype == torch.float32 else grad.float()
         self.shard_optimizer.step()
         for piece in self._pieces:
             piece.main.grad = None
@@ -277,16 +314,17 @@ class DistributedOptimizer(torch.optim.Optimizer):
         return loss
 
     # ------------------------------------------------------------------ parameters
-    def _buckets(self):
-        return [self.buffer.buckets[i] for i in sorted(self._in_buffer)]
+    def _buckets(self) -> list[tuple[int, Any]]:
+        """``(buffer position, bucket)`` of every bucket holding parameters of this optimizer, in
+        the same order on every rank."""
+        return [(position, self.buffers[position].buckets[i]) for position, i in sorted(self._in_buffer)]
 
     def _pieces_in(self, bucket) -> list[_Piece]:
         return [piece for piece in self._pieces if piece.bucket is bucket]
 
-    def _all_gather(self, shard: Tensor, numel: int) -> Tensor:
-        """Concatenate every data-parallel rank's ``shard`` (equal sizes) into one flat tensor."""
-        buffer = self.buffer
-        if not self._sharded:
+    def _all_gather(self, buffer: GradientBuffer, shard: Tensor, numel: int) -> Tensor:
+        """Concatenate every rank's ``shard`` (equal sizes) over ``buffer``'s group into one flat tensor."""
+        if not self.is_sharded(buffer):
             return shard
         full = torch.empty(numel, dtype=shard.dtype, device=shard.device)
         done, _ = try_fused("all_gather", all_gather_single, _unsupported, full, shard, group=buffer.group)
@@ -296,42 +334,51 @@ class DistributedOptimizer(torch.optim.Optimizer):
         return full
 
     def _gather_params(self) -> None:
-        """Every rank's updated pieces into every rank's parameters, one all-gather per bucket
-        (with :meth:`enable_overlap_param_gather`: started here, finished before each use)."""
-        if self.param_gather is not None:
-            for bucket in reversed(self._buckets()):  # the first layers' bucket (needed first) first
-                self.param_gather.start(bucket.index, self._owned_shard(bucket), bucket.numel(), self.buffer.dp_size)
-            return
-        for bucket in self._buckets():
-            self._copy_into_params(bucket.index, self._all_gather(self._owned_shard(bucket), bucket.numel()))
+        """Every rank's updated pieces into every rank's parameters, one all-gather per bucket over
+        its buffer's group (with :meth:`enable_overlap_param_gather`: started here, finished before each use)."""
+        for position, bucket in reversed(self._buckets()):  # the first layers' bucket (needed first) first
+            buffer, gather = self.buffers[position], self.param_gathers.get(position)
+            if gather is not None:
+                gather.start(bucket.index, self._owned_shard(buffer, bucket), bucket.numel(), buffer.dp_size)
+            else:
+                full = self._all_gather(buffer, self._owned_shard(buffer, bucket), bucket.numel())
+                self._copy_into_params(position, bucket.index, full)
 
-    def _owned_shard(self, bucket) -> Tensor:
-        """This rank's shard of ``bucket`` holding its updated main weights (zeros in padding)."""
-        s0, s1 = self.buffer.shard_range(bucket)
+    def _owned_shard(self, buffer: GradientBuffer, bucket) -> Tensor:
+        """This rank's shard of ``bucket`` of ``buffer`` holding its updated main weights (zeros in padding)."""
+        s0, s1 = buffer.shard_range(bucket)
         shard = torch.zeros(s1 - s0, dtype=bucket.data.dtype, device=bucket.data.device)
         for piece in self._pieces_in(bucket):
             shard[piece.shard_lo : piece.shard_lo + piece.numel].copy_(piece.main.reshape(-1))
         return shard
 
-    def _copy_into_params(self, index: int, full: Tensor) -> None:
-        bucket = self.buffer.buckets[index]
-        for _, p in self._in_buffer[index]:
+    def _copy_into_params(self, position: int, index: int, full: Tensor) -> None:
+        bucket = self.buffers[position].buckets[index]
+        for _, p in self._in_buffer[(position, index)]:
             start, end = bucket.ranges[id(p)]
             p.detach().copy_(full[start:end].view(p.shape))
 
     def enable_overlap_param_gather(self, module: nn.Module) -> None:
         """Gather parameters in the background after each step; ``module``'s submodules wait for
-        their buckets in a forward pre-hook (see :mod:`megastrategy.ddp.param_gather`)."""
-        if not self._sharded:
-            return  # nothing is gathered
-        bucket_of = {id(p): index for index, members in self._in_buffer.items() for _, p in members}
-        self.param_gather = ParamGather(self.buffer.group, self._copy_into_params, _unsupported)
-        self.param_gather.attach(module, bucket_of)
+        their buckets in a forward pre-hook (see :mod:`megastrategy.ddp.param_gather`). One
+        :class:`ParamGather` per sharded buffer, over that buffer's group."""
+        for position, buffer in enumerate(self.buffers):
+            if not self.is_sharded(buffer):
+                continue  # nothing is gathered
+            bucket_of = {id(p): index for (pos, index), members in self._in_buffer.items() if pos == position
+                         for _, p in members}
+            self.param_gathers[position] = ParamGather(buffer.group, partial(self._copy_into_params, position), _unsupported)
+            self.param_gathers[position].attach(module, bucket_of)
+
+    def detach_param_gathers(self) -> None:
+        """Remove the forward pre-hooks of :meth:`enable_overlap_param_gather` (at teardown)."""
+        for gather in self.param_gathers.values():
+            gather.detach()
 
     def wait_for_param_gather(self) -> None:
         """Finish pending background gathers (before anything reads every parameter)."""
-        if self.param_gather is not None:
-            self.param_gather.wait_all()
+        for gather in self.param_gathers.values():
+            gather.wait_all()
 
     def reload_main_params(self) -> None:
         """Copy the model's current parameters into the fp32 main copies (after changing the
@@ -343,38 +390,50 @@ class DistributedOptimizer(torch.optim.Optimizer):
                     piece.main.copy_(piece.param.detach().reshape(-1)[piece.lo : piece.hi].view(piece.main.shape))
 
     # ------------------------------------------------------------------ clipping
+    def local_grad_norm(self, buffer: GradientBuffer, counts: Callable[[nn.Parameter], bool], norm_type: float) -> Tensor:
+        """``sum |g|^p`` (``max |g|`` for ``p = inf``) of this rank's owned pieces of ``buffer``
+        whose parameter ``counts``: the local term of a global norm. No communication."""
+        local = torch.zeros((), dtype=torch.float32, device=self.grad_device())
+        for piece in self._pieces:
+            if piece.buffer is buffer and counts(piece.param):
+                g = piece.grad().detach().float()
+                local = torch.maximum(local, g.abs().max()) if norm_type == math.inf else local + g.norm(norm_type) ** norm_type
+        return local
+
     def grad_norm(
         self,
         *,
         counts_here: Optional[Callable[[nn.Parameter], bool]] = None,
         model_parallel_group: Optional[dist.ProcessGroup] = None,
         norm_type: float = 2.0,
+        buffer: Optional[GradientBuffer] = None,
     ) -> Tensor:
-        """The norm of the whole model's gradient from the owned shards (collective).
+        """The norm of the whole model's gradient from the owned shards of ``buffer`` (collective).
 
-        Sums ``|g|^p`` of the owned pieces whose parameter ``counts_here``, over the
-        data-parallel group, then over ``model_parallel_group`` (tensor x pipeline ranks).
+        Sums ``|g|^p`` of the owned pieces whose parameter ``counts_here``, over the buffer's
+        group, then over ``model_parallel_group`` (tensor x pipeline ranks). With several buffers
+        (MoE) each is reduced over other groups: name the one meant; the caller combines them
+        (:func:`megastrategy.moe.integration.distributed_grad_norm_with_experts`).
         """
-        counts = counts_here or (lambda p: True)
-        grads = [piece.grad(self.buffer) for piece in self._pieces if counts(piece.param)]
-        device = self.buffer.params[0].main_grad.device if self.buffer.params else torch.device("cpu")
-        groups = [g for g in (self.buffer.group if self._sharded else None, model_parallel_group) if g is not None]
+        if buffer is None:
+            if len(self.buffers) > 1:
+                raise ValueError("DistributedOptimizer.grad_norm over several gradient buffers: pass buffer=...; "
+                                 "with MoE layers use megastrategy.moe.integration.distributed_grad_norm_with_experts.")
+            buffer = self.buffer
         norm_type = float(norm_type)
-        if norm_type == math.inf:
-            local = torch.zeros((), dtype=torch.float32, device=device)
-            for g in grads:
-                local = torch.maximum(local, g.detach().abs().max().float())
-            if dist.is_initialized():
-                for group in groups:
-                    dist.all_reduce(local, op=dist.ReduceOp.MAX, group=group)
-            return local
-        local = torch.zeros((), dtype=torch.float32, device=device)
-        for g in grads:
-            local += g.detach().float().norm(norm_type) ** norm_type
+        local = self.local_grad_norm(buffer, counts_here or (lambda p: True), norm_type)
+        groups = [g for g in (buffer.group if self.is_sharded(buffer) else None, model_parallel_group) if g is not None]
+        op = dist.ReduceOp.MAX if norm_type == math.inf else dist.ReduceOp.SUM
         if dist.is_initialized():
             for group in groups:
-                dist.all_reduce(local, group=group)
-        return local ** (1.0 / norm_type)
+                dist.all_reduce(local, op=op, group=group)
+        return local if norm_type == math.inf else local ** (1.0 / norm_type)
+
+    def scale_grads_(self, coef: Tensor) -> None:
+        """Multiply every owned gradient by ``coef`` (a clipping coefficient)."""
+        for piece in self._pieces:
+            g = piece.grad()
+            g.mul_(coef.to(g.device, g.dtype))
 
     def clip_grad_norm_(
         self,
@@ -387,16 +446,13 @@ class DistributedOptimizer(torch.optim.Optimizer):
         """Scale the owned gradients so that the global norm is at most ``max_norm``; returns the
         norm before clipping (same formula as :func:`torch.nn.utils.clip_grad_norm_`)."""
         total = self.grad_norm(counts_here=counts_here, model_parallel_group=model_parallel_group, norm_type=norm_type)
-        coef = (float(max_norm) / (total + 1e-6)).clamp(max=1.0)
-        for piece in self._pieces:
-            g = piece.grad(self.buffer)
-            g.mul_(coef.to(g.device, g.dtype))
+        self.scale_grads_((float(max_norm) / (total + 1e-6)).clamp(max=1.0))
         return total
 
     def clip_grad_value_(self, clip_value: float) -> None:
         """Clamp the owned gradients to ``[-clip_value, clip_value]`` (elementwise: no communication)."""
         for piece in self._pieces:
-            piece.grad(self.buffer).clamp_(-float(clip_value), float(clip_value))
+            piece.grad().clamp_(-float(clip_value), float(clip_value))
 
     # ------------------------------------------------------------------ state
     def _torch_groups(self) -> list[dict]:
@@ -408,7 +464,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         return groups
 
     def state_dict(self) -> dict[str, Any]:  # type: ignore[override]
-        """The torch-format state over the model's parameters, whole (collective over DP).
+        """The torch-format state over the model's parameters, whole (collective over each
+        buffer's group: DP for dense parameters, expert-DP for experts).
 
         Exactly what the user's optimizer would return had it been stepped on every rank: state
         tensors have their parameter's shape, ``param_groups`` number the parameters in order.
@@ -416,42 +473,55 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self.wait_for_param_gather()
         self._sync_hyperparameters()
         inner_state = self._state_with_main_params()
-        objects: dict[int, dict[str, Any]] = {}
-        elementwise: dict[int, dict[str, torch.dtype]] = {}
-        for piece in self._pieces:
-            for key, value in inner_state.get(piece.main, {}).items():
-                if _elementwise(value, piece.main):
-                    elementwise.setdefault(piece.index, {})[key] = value.dtype
-                elif piece.lo == 0:  # other values: from the rank owning the parameter's first element
-                    objects.setdefault(piece.index, {})[key] = _portable(value)
-        if self._sharded:
-            everyone: list[Any] = [None] * self.buffer.dp_size
-            dist.all_gather_object(everyone, (objects, elementwise), group=self.buffer.group)
-            objects, elementwise = {}, {}
-            for objs, elems in everyone:
-                for index, values in objs.items():
-                    objects.setdefault(index, {}).update(values)
-                for index, keys in elems.items():
-                    elementwise.setdefault(index, {}).update(keys)
+        objects, elementwise = self._state_records(inner_state)
         state: dict[int, dict[str, Any]] = {}
         for index in sorted(set(objects) | set(elementwise)):
             state[index] = dict(objects.get(index, {}))
-        for bucket in self._buckets():  # the same buckets and keys in the same order on every rank
-            members = [(i, p) for i, p in self._in_buffer[bucket.index] if i in elementwise]
+        for position, bucket in self._buckets():  # the same buckets and keys in the same order on every rank
+            buffer = self.buffers[position]
+            members = [(i, p) for i, p in self._in_buffer[(position, bucket.index)] if i in elementwise]
             keys = sorted({(k, dt) for i, _ in members for k, dt in elementwise[i].items()}, key=lambda kd: (kd[0], str(kd[1])))
-            s0, s1 = self.buffer.shard_range(bucket)
+            s0, s1 = buffer.shard_range(bucket)
             for key, dtype in keys:
                 shard = torch.zeros(s1 - s0, dtype=dtype, device=bucket.data.device)
                 for piece in self._pieces_in(bucket):
                     value = inner_state.get(piece.main, {}).get(key)
                     if _elementwise(value, piece.main):
                         shard[piece.shard_lo : piece.shard_lo + piece.numel].copy_(value.reshape(-1))
-                full = self._all_gather(shard, bucket.numel())
+                full = self._all_gather(buffer, shard, bucket.numel())
                 for i, p in members:
                     if key in elementwise[i]:
                         start, end = bucket.ranges[id(p)]
                         state[i][key] = full[start:end].view(p.shape).clone()
         return {"state": state, "param_groups": self._torch_groups()}
+
+    def _state_records(self, inner_state: dict) -> tuple[dict, dict]:
+        """Per parameter index: its non-elementwise state values (e.g. Adam's step, from the rank
+        owning the parameter's first element) and its elementwise keys with their dtypes, as every
+        rank of each buffer's group knows them (one ``all_gather_object`` per sharded buffer)."""
+        objects: dict[int, dict[str, Any]] = {}
+        elementwise: dict[int, dict[str, torch.dtype]] = {}
+        for buffer in self.buffers:
+            objs: dict[int, dict[str, Any]] = {}
+            elems: dict[int, dict[str, torch.dtype]] = {}
+            for piece in self._pieces:
+                if piece.buffer is not buffer:
+                    continue
+                for key, value in inner_state.get(piece.main, {}).items():
+                    if _elementwise(value, piece.main):
+                        elems.setdefault(piece.index, {})[key] = value.dtype
+                    elif piece.lo == 0:
+                        objs.setdefault(piece.index, {})[key] = _portable(value)
+            everyone: list[Any] = [(objs, elems)]
+            if self.is_sharded(buffer):
+                everyone = [None] * buffer.dp_size
+                dist.all_gather_object(everyone, (objs, elems), group=buffer.group)
+            for rank_objs, rank_elems in everyone:
+                for index, values in rank_objs.items():
+                    objects.setdefault(index, {}).update(values)
+                for index, keys in rank_elems.items():
+                    elementwise.setdefault(index, {}).update(keys)
+        return objects, elementwise
 
     def _state_with_main_params(self) -> dict:
         """The rebuilt optimizer's state plus each fp32 main copy of a half-precision parameter,
@@ -518,8 +588,17 @@ class DistributedOptimizer(torch.optim.Optimizer):
         """This rank's pieces of the state and the metadata to reassemble them (no communication).
 
         ``merge_sharded_state_dicts([every rank's sharded_state_dict()])`` is :meth:`state_dict`;
-        :meth:`load_sharded_state_dict` loads such a list on any data-parallel size.
+        :meth:`load_sharded_state_dict` loads such a list on any data-parallel size. One buffer
+        only: with MoE layers the expert pieces are spread over other ranks (expert-DP) than the
+        dense ones, so there is no single set of shards to merge; use :meth:`state_dict`.
         """
+        if len(self.buffers) > 1:
+            raise ValueError(
+                f"DistributedOptimizer.sharded_state_dict() over {len(self.buffers)} gradient buffers (dense and "
+                "expert parameters, sharded over different groups): the pieces of one parameter are not on the "
+                "same ranks for every buffer. Use state_dict() (a collective over each buffer's group), as the "
+                "strategy's checkpoints do."
+            )
         self._sync_hyperparameters()
         inner_state = self._state_with_main_params()
         return {

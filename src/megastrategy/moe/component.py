@@ -11,7 +11,6 @@ from torch import nn
 from megastrategy.component import Component, SetupContext, StepInfo
 from megastrategy.config import MegatronConfig
 from megastrategy.ddp.grad_buffer import GradientBuffer
-from megastrategy.errors import MegatronConfigError
 from megastrategy.moe import integration as moe
 
 
@@ -38,14 +37,10 @@ class ExpertParallel(Component):
         if not self.num_moe_layers:
             return
         c = self.config
-        if c.use_distributed_optimizer:
-            raise MegatronConfigError(
-                "use_distributed_optimizer=True with MoE layers is not supported yet; "
-                "use use_distributed_optimizer=False with ep > 1."
-            )
+        # ZeRO-1: reduce-scattered over expert-DP; the dense buffer's optimizer wrapper steps it too
         self.buffer = moe.make_expert_grad_buffer(
             module, ctx.parallel_state, grad_reduce_in_fp32=c.grad_reduce_in_fp32, bucket_numel=c.bucket_numel,
-            overlap_grad_reduce=ctx.overlap_grad_reduce,
+            overlap_grad_reduce=ctx.overlap_grad_reduce, distributed_optimizer=c.use_distributed_optimizer,
         )
         ctx.grad_buffers.append(self.buffer)
 
@@ -72,7 +67,8 @@ class ExpertParallel(Component):
     def finalize_grads(self) -> bool:
         if self.buffer is not None and self.buffer.has_grads:
             self.buffer.reduce()  # over expert-DP, scaled so experts match the one-device model
-            self.buffer.expose_grads()
+            if not self.buffer.distributed_optimizer:  # else only this rank's shard is reduced
+                self.buffer.expose_grads()
         return True
 
     def zero_grads(self) -> None:

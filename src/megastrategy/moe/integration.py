@@ -22,6 +22,12 @@ copies replicated over expert-TP (the second bias when ``etp > 1``), which count
 rank 0; their norm² is summed over the whole world and divided by ``edp`` (the world holds
 ``edp`` identical copies of every expert shard). See :func:`clip_grad_norm_with_experts`.
 
+With the distributed optimizer (ZeRO-1) the expert buffer is reduce-scattered over
+``expert_dp_group`` like the dense one over ``dp_group``: each edp rank owns, updates and
+all-gathers ``1/edp`` of the expert gradients and optimizer state. The norm then comes from the
+owned pieces (:func:`distributed_grad_norm_with_experts`): each expert element is owned by one
+rank of its edp group, so the world sum counts it once without the division.
+
 The auxiliary losses' gradient is injected in backward, multiplied by each layer's
 ``aux_loss_scale``; :func:`set_aux_loss_scale` must be given the factor the main loss is
 multiplied by before its backward: ``1/accumulate_grad_batches`` and, under pipeline
@@ -59,6 +65,8 @@ __all__ = [
     "collect_aux_losses",
     "expert_grad_counts_here",
     "clip_grad_norm_with_experts",
+    "grad_norm_with_experts",
+    "distributed_grad_norm_with_experts",
 ]
 
 
@@ -303,3 +311,33 @@ def grad_norm_with_experts(
     else:
         total = (dense_norm.float() ** norm_type + local) ** (1.0 / norm_type)
     return total
+
+
+def distributed_grad_norm_with_experts(
+    optimizer,
+    *,
+    parallel_state,
+    dense_counts_here: Callable[[nn.Parameter], bool],
+    norm_type: float = 2.0,
+) -> torch.Tensor:
+    """The true global norm of dense and expert gradients from a
+    :class:`~megastrategy.ddp.distributed_optimizer.DistributedOptimizer` over the dense and the
+    expert buffers (ZeRO-1, or bf16-true main weights): dense pieces as without MoE (over each
+    buffer's group, then ``mp_group``); expert pieces summed over the whole world, divided by
+    ``edp`` only when their buffer is not sharded (then every edp rank holds the whole shard).
+    Collective over the whole world, as :func:`grad_norm_with_experts`."""
+    ps, norm_type = parallel_state, float(norm_type)
+    inf = norm_type == float("inf")
+    experts = [b for b in optimizer.buffers if isinstance(b, ExpertGradientBuffer)]
+    dense = [optimizer.grad_norm(counts_here=dense_counts_here, model_parallel_group=ps.mp_group, norm_type=norm_type,
+                                 buffer=b) for b in optimizer.buffers if not isinstance(b, ExpertGradientBuffer)]
+    local = torch.zeros((), dtype=torch.float32, device=optimizer.grad_device())
+    for b in experts:
+        part = optimizer.local_grad_norm(b, lambda p: expert_grad_counts_here(p, ps), norm_type)
+        local = torch.maximum(local, part) if inf else local + (part if optimizer.is_sharded(b) else part / ps.layout.edp)
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(local, op=dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM)
+    terms = [n.to(local.device).float() for n in dense]
+    if inf:
+        return torch.stack([local, *terms]).max()
+    return (local + sum(t ** norm_type for t in terms)) ** (1.0 / norm_type)

@@ -69,7 +69,8 @@ class StepRunner:
         self.schedule = schedule if stage is not None else "1f1b"  # one stage: Lightning's own backward
         self.num_microbatches = num_microbatches if stage is not None else 1
         self.relay = relay
-        self.calls = ModelCalls(stage.call_modules, stage.stack_path) if stage is not None else None
+        self.calls = (ModelCalls(stage.call_modules, stage.stack_path, lambda: stage.active_chunk is not None)
+                      if stage is not None else None)
         self._recorded: dict[int, list] = {}  # microbatch -> its model calls' outputs (last stage)
         self._paused: dict[int, SuspendedStep] = {}  # microbatch -> its step, paused at the model call
         self._step_threads = StepThreads()  # reused: a fresh thread per microbatch runs the forward slower

@@ -29,6 +29,7 @@ from megastrategy.batch_tree import flatten_batch
 from megastrategy.component import Component, SetupContext, StepInfo, overrides
 from megastrategy.errors import MegatronConfigError
 from megastrategy.pipeline.executor import LocalCommunicator, PipelineExecutor
+from megastrategy.pipeline.local_loss_terms import refuse_local_loss_terms
 from megastrategy.pipeline.log_relay import capturing_logs, metric_paths, replay_logs
 from megastrategy.pipeline.model_calls import ModelCalls
 from megastrategy.pipeline.output_relay import OutputRelay
@@ -234,6 +235,9 @@ class StepRunner:
             return
         for microbatch, calls in enumerate(relayed):
             outputs.append(self._paused.pop(microbatch).resume(calls))
+            if step.training:
+                refuse_local_loss_terms(_user_loss(outputs[-1]), step.name, self.executor.pp_rank,
+                                        self.executor.pp_size)
 
     def _execute(self, step: StepInfo, forward_step: Callable, backward_fn: Optional[LightningBackward]) -> None:
         m, ex = step.num_microbatches, self.executor

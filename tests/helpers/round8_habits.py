@@ -7,7 +7,7 @@ Habits of ordinary modules not tried in rounds 1-7: ``torch.nn.utils.parametrize
 training loss, a cosine warm-up schedule over ``estimated_stepping_batches`` with an accumulation that
 does not divide the epoch, ``no_grad`` inference on a fixed sample at an epoch's end, a pre-batched
 ``DataLoader(batch_size=None)``, ``WeightedRandomSampler``, augmentation in seeded workers, and
-``self.log`` from the backward and optimizer hooks. Each on fresh Trainers
+``self.log`` from the backward and optimizer hooks, a penalty over ``self.parameters()`` in the loss. Each on fresh Trainers
 (``tests/helpers/round3_habits.trainer``); tests/scripts/habits_round8.py runs several in one launch.
 """
 from __future__ import annotations
@@ -54,6 +54,8 @@ HABITS = {
     # the route the refusal names: the reparametrized layer and its row partner kept whole
     "weight-norm-replicated": _parametrized("fc", "weight_norm", {**GPT.TP_PLAN, "blocks.*.fc": "replicate",
                                                                   "blocks.*.out": "replicate"}),
+    "spectral-norm-replicated": _parametrized("fc", "spectral_norm", {**GPT.TP_PLAN, "blocks.*.fc": "replicate",
+                                                                      "blocks.*.out": "replicate"}),
 }
 
 
@@ -344,3 +346,30 @@ def logs_in_hooks(args, workdir):
 
 
 HABITS["logs-in-hooks"] = logs_in_hooks
+
+
+# ---------------------------------------------------------------- 8. a penalty over self.parameters() added to the loss
+class L2Penalty(GPT):
+    """Weight decay by hand: ``loss + λ·Σ‖p‖²`` over ``self.parameters()`` in the step, logged as ``train_loss``."""
+
+    def compute_loss(self, batch):
+        penalty = sum(p.pow(2).sum() for p in self.parameters())
+        return super().compute_loss(batch) + 0.05 * penalty
+
+
+class PenaltyFreeValidation(L2Penalty):
+    """Validated by the cross-entropy alone: whether the weights trained are one device's."""
+
+    def validation_step(self, batch, batch_idx):
+        self.log("val_loss", GPT.compute_loss(self, batch), sync_dist=True)
+
+
+def l2_penalty(args, workdir):
+    losses, module = StepLosses(), PenaltyFreeValidation(batch_size=8 // args.dp, optimizer="sgd")
+    t = trainer(args, [losses], max_epochs=1, limit_train_batches=4, limit_val_batches=2)
+    _, raised = _raised(lambda: t.fit(module))
+    return {"losses": losses.losses, "raised": raised,
+            "val_loss": float(t.callback_metrics["val_loss"]) if "val_loss" in t.callback_metrics else None}
+
+
+HABITS["l2-penalty"] = l2_penalty

@@ -14,6 +14,8 @@ One launch per layout of tests/scripts/habits_round8.py runs every habit one aft
   reached a backward (219.4 against 229.1 at the first step, other weights silently), now refused by name
   at the first step (``pipeline/local_loss_terms.py``); at tp2 the weights are DDP's but the loss value sums
   a rank's shards (a strict xfail);
+* not yet (strict xfails): weights re-initialized in ``on_fit_start`` (after the split): at tp2 the sharded
+  layers are not ``nn.Linear`` and kept their values, at pp2 each stage drew its own from the stream's start;
 * ``self(sample)`` under ``torch.no_grad()`` in ``on_train_epoch_end``/``on_validation_epoch_end``: DDP's at
   tp2; at pp2 it failed with a misleading "ln_f is registered after the stack" error, now a refusal
   naming what works (``pipeline/model_calls.py``);
@@ -42,7 +44,7 @@ REPARAMETRIZED = ["weight-norm-column", "weight-norm-row", "weight-norm-replicat
 DATA = ["pre-batched-loader", "weighted-sampler", "worker-augmentation"]
 TP2_ONLY = ["nn-transformer", "spectral-norm-replicated", "l2-penalty"]  # at pp2 refused mid-launch, or like others
 REPLICAS = ["weighted-sampler", "worker-augmentation"]  # what depends on the replica's rank
-MORE = ["mha-block", "hparams-checkpoint-names", "monitor-train-loss", "cosine-warmup-accumulation",
+MORE = ["init-on-fit-start", "mha-block", "hparams-checkpoint-names", "monitor-train-loss", "cosine-warmup-accumulation",
         "sample-at-epoch-end", "logs-in-hooks"]
 LAUNCHES = {  # layout: (processes, strategy arguments, habits)
     "ddp": (1, ["--strategy", "ddp"], REPARAMETRIZED + MORE + DATA + TP2_ONLY),
@@ -227,3 +229,16 @@ def test_self_log_from_the_backward_and_optimizer_hooks(layout):
     _close(ours["losses"], ref["losses"])
     _same_rows(ours["rows"], ref["rows"])
     assert {"after_backward", "lr_float", "batch_end_loss_step", "batch_end_loss_epoch"} <= set().union(*ref["rows"])
+
+
+@pytest.mark.xfail(strict=True, reason="on_fit_start runs after the strategy split the module: at tp2 the sharded layers "
+                   "are not nn.Linear, so the user's isinstance loop re-initialized none of them (21.86 against DDP's "
+                   "4.61: the model as built, silently); at pp2 each stage draws its own layers' values from the "
+                   "start of the stream (4.632 against 4.614). Exact needs the full weights drawn in one device's "
+                   "order; a refusal needs parameter writes told apart from the strategy's own (checkpoint restore "
+                   "after setup, LearningRateFinder's restore). Re-initialize in __init__, setup() or configure_model")
+@pytest.mark.parametrize("layout", SPLIT)
+def test_weights_reinitialized_in_on_fit_start(layout):
+    ours, ref = _pair(layout, "init-on-fit-start")
+    assert ours["raised"] is ref["raised"] is None
+    _close(ours["losses"], ref["losses"])

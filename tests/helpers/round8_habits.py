@@ -6,8 +6,9 @@ Habits of ordinary modules not tried in rounds 1-7: ``torch.nn.utils.parametrize
 ``ModelCheckpoint`` naming files by step and metric, ``ModelCheckpoint``/``EarlyStopping`` on the
 training loss, a cosine warm-up schedule over ``estimated_stepping_batches`` with an accumulation that
 does not divide the epoch, ``no_grad`` inference on a fixed sample at an epoch's end, a pre-batched
-``DataLoader(batch_size=None)``, ``WeightedRandomSampler``, augmentation in seeded workers, and
-``self.log`` from the backward and optimizer hooks, a penalty over ``self.parameters()`` in the loss. Each on fresh Trainers
+``DataLoader(batch_size=None)``, ``WeightedRandomSampler``, augmentation in seeded workers,
+``self.log`` from the backward and optimizer hooks, a penalty over ``self.parameters()`` in the loss, and
+weights re-initialized in ``on_fit_start``. Each on fresh Trainers
 (``tests/helpers/round3_habits.trainer``); tests/scripts/habits_round8.py runs several in one launch.
 """
 from __future__ import annotations
@@ -373,3 +374,26 @@ def l2_penalty(args, workdir):
 
 
 HABITS["l2-penalty"] = l2_penalty
+
+
+# ---------------------------------------------------------------- 9. weights re-initialized in on_fit_start
+class InitOnFitStart(GPT):
+    """GPT-2's init written in ``on_fit_start`` (after the strategy set the module up): every Linear's
+    weight drawn from N(0, 0.02²), its bias zeroed."""
+
+    def on_fit_start(self):
+        for m in self.modules():
+            if isinstance(m, nn.Linear):
+                nn.init.normal_(m.weight, std=0.02)
+                if m.bias is not None:
+                    nn.init.zeros_(m.bias)
+
+
+def init_on_fit_start(args, workdir):
+    losses = StepLosses()
+    t = trainer(args, [losses], max_steps=3, limit_val_batches=0)
+    _, raised = _raised(lambda: t.fit(InitOnFitStart(batch_size=8 // args.dp)))
+    return {"losses": losses.losses, "raised": raised}
+
+
+HABITS["init-on-fit-start"] = init_on_fit_start

@@ -5,7 +5,8 @@ power iteration per forward in training mode, updating the buffers ``_u``/``_v``
 by. One device runs the forward once per step; a pipeline stage runs it once per microbatch, and the
 stage's set-up dry runs (which find the cut) run it too, so the weight of every step differs silently
 from one device's (spectral_norm on an MLP Linear at pp2: 7e-3 off within 4 steps). Stateless ones
-(``weight_norm``, ``orthogonal``) recompute the same weight each time and are exact: they pass.
+(``weight_norm``, ``orthogonal``) recompute the same weight each time and are exact: they pass (so
+does a user's own parametrization: what its forward does to its buffers is not known here).
 """
 from __future__ import annotations
 
@@ -19,12 +20,17 @@ from megastrategy.errors import MegatronConfigError
 __all__ = ["refuse_stateful_reparametrization"]
 
 
+#: torch's parametrizations whose forward updates their buffers in training mode (``orthogonal`` holds a
+#: ``base`` buffer it only reads: stateless)
+_STATEFUL = ("_SpectralNorm",)
+
+
 def _stateful(m: nn.Module) -> Optional[str]:
-    """``"weight: _SpectralNorm"`` if ``m`` has a reparametrization holding buffers (state), else None."""
+    """``"weight: _SpectralNorm"`` if ``m`` has a reparametrization updating its state, else None."""
     if parametrize.is_parametrized(m):
         for tensor, chain in m.parametrizations.items():
             for p in chain:
-                if next(p.buffers(), None) is not None:
+                if type(p).__name__ in _STATEFUL and type(p).__module__.startswith("torch.nn.utils"):
                     return f"{tensor}: {type(p).__name__}"
     for hook in m._forward_pre_hooks.values():
         if type(hook).__name__ == "SpectralNorm" and type(hook).__module__.startswith("torch.nn.utils"):

@@ -37,6 +37,12 @@ def reparametrizations(m: nn.Module) -> list[str]:
     return found
 
 
+def _removal(found: list[str]) -> str:
+    if any("(hook)" in f for f in found):
+        return "torch.nn.utils.remove_weight_norm(module) / remove_spectral_norm(module)"
+    return "torch.nn.utils.parametrize.remove_parametrizations(module, 'weight')"
+
+
 def _first_reparametrized(m: nn.Module, name: str) -> Optional[tuple[str, list[str]]]:
     for sub, inner in m.named_modules(prefix=name):
         found = reparametrizations(inner)
@@ -59,6 +65,5 @@ def refuse_parametrized(ctx: PlanContext, drafts: Drafts) -> None:
             f"({d.style}, from {d.source}): a shard is built from the computed weight, so the "
             "reparametrization would be dropped and every step would differ silently from one device's. "
             f"Keep it whole with tp_plan={{{n!r}: 'replicate'}} (and replicate the layers that read its "
-            "output or feed its input sharded), remove it before fit with "
-            "torch.nn.utils.parametrize.remove_parametrizations(module, 'weight'), or use tp=1."
+            f"output or feed its input sharded), remove it before fit with {_removal(found)}, or use tp=1."
         )

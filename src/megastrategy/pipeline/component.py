@@ -30,6 +30,7 @@ from megastrategy.pipeline.stage import cut_stage
 from megastrategy.pipeline.seq2seq_checks import Seq2SeqTied, refuse_seq2seq_layout, refuse_seq2seq_loop_state
 from megastrategy.pipeline.seq2seq_layout import Seq2SeqLayout, is_encoder_decoder, seq2seq_layout
 from megastrategy.pipeline.seq2seq_stage import cut_seq2seq_stage
+from megastrategy.pipeline.stateful_reparametrization import refuse_stateful_reparametrization
 
 
 class Pipeline(Component):
@@ -64,6 +65,7 @@ class Pipeline(Component):
         _refuse_what_stages_cannot_split(hf, self.pp)
         refuse_router_logits(hf, self.pp, self.num_microbatches, is_encoder_decoder(module))
         refuse_batch_statistics(module, self.pp, self.num_microbatches)
+        refuse_stateful_reparametrization(module, self.pp)
         if is_encoder_decoder(module):
             self._validate_seq2seq(module)
             return

@@ -7,7 +7,10 @@ schedule runs. :class:`ModelCalls` wraps ``forward`` of the modules through whic
 layer stack (the LightningModule and the stack's ancestors) and of the modules registered after the
 stack. The outermost such call made by a step is a *model call*; the step runner sets the mode:
 
-* ``pass``: calls run unchanged (a stage's share of the forward, and any call outside a step);
+* ``pass``: calls run unchanged (a stage's share of the forward); a call outside any step (a hook such
+  as ``on_train_epoch_end`` running the model on a fixed sample) is refused, naming what works: a
+  stage holds only its part of the model, so alone it failed at the first module it does not hold,
+  with a misleading message about registration order;
 * ``record``: calls run and their outputs are kept (the last stage's run of a microbatch);
 * ``pause``: the call runs up to the stage cut, then the step pauses (:mod:`.suspended_step`)
   until the last stage's outputs are relayed; the call returns them, so the rest of the user's
@@ -45,10 +48,13 @@ class ModelCalls:
     """Routes the outermost calls of ``modules`` (see the module docstring). The mode is per
     thread: a paused step (:mod:`.suspended_step`) keeps its own while the schedule goes on."""
 
-    def __init__(self, modules: Sequence[tuple[str, nn.Module]], stack_path: str = "") -> None:
+    def __init__(self, modules: Sequence[tuple[str, nn.Module]], stack_path: str = "",
+                 in_step: Callable[[], bool] = lambda: True) -> None:
         """``stack_path``: where the layer stack is; the modules named on its path hold it, and a
-        step may pass through them once per microbatch (see :meth:`_refuse_second_pass`)."""
+        step may pass through them once per microbatch (see :meth:`_refuse_second_pass`).
+        ``in_step()``: whether the schedule is running a step on this stage now."""
         self._local = threading.local()
+        self._in_step = in_step
         for name, module in modules:
             holds = bool(stack_path) and (name == "" or stack_path == name or stack_path.startswith(name + "."))
             current = module.__dict__.get("forward")
@@ -139,6 +145,8 @@ class ModelCalls:
             return state.replay.pop(0)
         if outermost and state.mode == "record" and through.holds_stack:
             self._refuse_second_pass(state, through)
+        if outermost and state.mode == "pass" and not self._in_step():
+            raise MegatronConfigError(_outside_step(through.name))
         state.depth += 1
         try:
             out = through.forward(*args, **kwargs)
@@ -153,3 +161,14 @@ class ModelCalls:
         if outermost and state.mode == "record":
             state.record.append(out)
         return out
+
+
+def _outside_step(name: str) -> str:
+    return (
+        f"{name}(...) was called outside a training/validation/test/predict step (in a hook such as "
+        "on_train_epoch_end or on_validation_epoch_end) under pipeline parallelism: each stage holds only its "
+        "part of the model and runs it when the schedule hands it a microbatch, so a call outside a step cannot "
+        "run (one device runs it whole). What works: compute it inside a step, e.g. a second validation "
+        "dataloader holding the sample (validation_step(batch, batch_idx, dataloader_idx)) and self.log its "
+        "result, or trainer.predict after fit; or pp=1 (tensor and data parallelism run such a call)."
+    )

@@ -29,6 +29,7 @@ from megastrategy.batch_tree import flatten_batch
 from megastrategy.component import Component, SetupContext, StepInfo, overrides
 from megastrategy.errors import MegatronConfigError
 from megastrategy.pipeline.executor import LocalCommunicator, PipelineExecutor
+from megastrategy.pipeline.local_loss_terms import refuse_local_loss_terms
 from megastrategy.pipeline.log_relay import capturing_logs, metric_paths, replay_logs
 from megastrategy.pipeline.model_calls import ModelCalls
 from megastrategy.pipeline.output_relay import OutputRelay
@@ -69,7 +70,8 @@ class StepRunner:
         self.schedule = schedule if stage is not None else "1f1b"  # one stage: Lightning's own backward
         self.num_microbatches = num_microbatches if stage is not None else 1
         self.relay = relay
-        self.calls = ModelCalls(stage.call_modules, stage.stack_path) if stage is not None else None
+        self.calls = (ModelCalls(stage.call_modules, stage.stack_path, lambda: stage.active_chunk is not None)
+                      if stage is not None else None)
         self._recorded: dict[int, list] = {}  # microbatch -> its model calls' outputs (last stage)
         self._paused: dict[int, SuspendedStep] = {}  # microbatch -> its step, paused at the model call
         self._step_threads = StepThreads()  # reused: a fresh thread per microbatch runs the forward slower
@@ -233,6 +235,9 @@ class StepRunner:
             return
         for microbatch, calls in enumerate(relayed):
             outputs.append(self._paused.pop(microbatch).resume(calls))
+            if step.training:
+                refuse_local_loss_terms(_user_loss(outputs[-1]), step.name, self.executor.pp_rank,
+                                        self.executor.pp_size)
 
     def _execute(self, step: StepInfo, forward_step: Callable, backward_fn: Optional[LightningBackward]) -> None:
         m, ex = step.num_microbatches, self.executor

@@ -9,6 +9,7 @@ from megastrategy.layers.plan.coverage import add_known_replicated, check_covera
 from megastrategy.layers.plan.drafts import Drafts, add_layout, draft_entries
 from megastrategy.layers.plan.layer_kinds import type_name
 from megastrategy.layers.plan.match import effective_styles, match_rules
+from megastrategy.layers.plan.parametrized import refuse_parametrized
 from megastrategy.layers.plan.resolved import FixUp, PlanEntry, ResolvedPlan, RNGRegion
 from megastrategy.layers.plan.sizes import SizePass
 from megastrategy.layers.plan.ties import resolve_ties
@@ -33,6 +34,7 @@ def resolve_tp_plan(module: nn.Module, tp_plan: dict[str, str] | None, tp_size: 
     check_coverage(ctx, effective, drafts)
     add_known_replicated(ctx, effective, drafts)
     drop_inside_attention(drafts)
+    refuse_parametrized(ctx, drafts)
     add_layout(ctx, drafts)
     resolve_ties(module, ctx.modules, drafts)
     fixups = SizePass(ctx).run(drafts, units)

@@ -1,0 +1,34 @@
+"""Refuse a training loss that adds terms computed from a stage's own tensors outside the model call.
+
+Under pp the user's step runs on every stage: the non-last stages pause it at the model call and
+resume it with the outputs the last stage relays, which carry no gradient. So the loss such a
+stage's step returns requires grad only if the step computed part of it from this stage's own
+parameters outside the model call: a penalty such as ``loss + λ·Σ‖p‖²`` over ``self.parameters()``
+(weight decay by hand). The schedule backpropagates only the last stage's loss through the model, so
+that term's gradient on this stage's parameters would be dropped (an L2 penalty at pp2 trained
+other weights than one device's, silently) and the last stage's loss counts its own parameters only.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from megastrategy.errors import MegatronConfigError
+
+__all__ = ["refuse_local_loss_terms"]
+
+
+def refuse_local_loss_terms(loss: Optional[torch.Tensor], step_name: str, pp_rank: int, pp: int) -> None:
+    """Raise if a non-last stage's resumed step returned a loss with a gradient of its own."""
+    if loss is None or not loss.requires_grad:
+        return
+    raise MegatronConfigError(
+        f"{step_name} on pipeline stage {pp_rank} of {pp} returned a loss that depends on this stage's own "
+        f"parameters outside the model call (its grad_fn: {type(loss.grad_fn).__name__}), e.g. a penalty "
+        "summed over self.parameters() added to the loss: under pipeline parallelism a stage holds only its "
+        "layers and the schedule backpropagates only the model's output, so that term's gradient would be "
+        "dropped on this stage and its value would count only the last stage's parameters. What works: "
+        "the optimizer's weight_decay (AdamW(weight_decay=...)) for an L2 penalty, or pp=1 (tensor and data "
+        "parallelism compute it as one device does)."
+    )

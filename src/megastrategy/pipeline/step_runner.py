@@ -219,7 +219,7 @@ class StepRunner:
             self._capture = capture
             try:
                 self._execute(step, self._stage_forward(user_step, outputs, step), None)
-                self._finish_steps(step, outputs)
+                self._finish_steps(module, step, outputs)
             finally:
                 for paused in self._paused.values():
                     paused.abort()
@@ -227,7 +227,7 @@ class StepRunner:
         replay_logs(module, capture)
         return join_step_outputs(outputs, step.name, sizes)
 
-    def _finish_steps(self, step: StepInfo, outputs: list) -> None:
+    def _finish_steps(self, module: Any, step: StepInfo, outputs: list) -> None:
         """Relay the last stage's model outputs; the other stages finish each microbatch's paused step."""
         holds_last = self.executor.holds_last_stage
         relayed = self.relay.relay([self._recorded[m] for m in range(step.num_microbatches)] if holds_last else None)
@@ -236,7 +236,7 @@ class StepRunner:
         for microbatch, calls in enumerate(relayed):
             outputs.append(self._paused.pop(microbatch).resume(calls))
             if step.training:
-                refuse_local_loss_terms(_user_loss(outputs[-1]), step.name, self.executor.pp_rank,
+                refuse_local_loss_terms(_user_loss(outputs[-1]), module, step.name, self.executor.pp_rank,
                                         self.executor.pp_size)
 
     def _execute(self, step: StepInfo, forward_step: Callable, backward_fn: Optional[LightningBackward]) -> None:

@@ -12,8 +12,10 @@ from megastrategy.layers.components import Recompute, SequenceParallel, TensorPa
 from megastrategy.moe.component import ExpertParallel
 from megastrategy.pipeline.component import Pipeline
 from megastrategy.runtime import BatchBroadcast, Watchdog
+from megastrategy.weights_written_after_split import WeightsWrittenAfterSplit
 
 __all__ = [
     "AveragedCopies", "BatchBroadcast", "BufferBroadcast", "Checkpoints", "ContextParallelComponent", "CudaGraphs", "ExpertParallel", "GradientBuffers", "NonFiniteGuard", "Pipeline",
     "Recompute", "SequenceParallel", "SyncBatchNormLayers", "TensorParallel", "TransformerEngine", "Watchdog",
+    "WeightsWrittenAfterSplit",
 ]

@@ -12,7 +12,7 @@ Moments, in the order Lightning reaches them:
   parameters);
 * groups exist: ``on_environment``;
 * ``setup``: ``configure`` (every component), ``apply`` (rewrite the model, in list order), then, when fitting, ``on_fit_setup``
-  (after the model is on its device) and ``wrap_optimizers``;
+  (after the model is on its device) and ``wrap_optimizers``; after a restore into the set-up model: ``on_weights_loaded``;
 * ``on_train_loader``, ``on_train_start``; each batch: ``on_batch``; each step: ``begin_step``, then per microbatch ``prepare_microbatch``, ``forward_context``,
   ``on_forward``, ``on_backward``, then ``end_step``;
 * each optimizer step: ``last_microbatch_context`` around the closure, ``finalize_grads`` after
@@ -149,6 +149,10 @@ class Component:
 
     def wrap_optimizers(self, optimizers: list) -> list:
         return optimizers
+
+    def on_weights_loaded(self) -> None:
+        """The strategy wrote the parameters after ``setup``: a checkpoint restore (``fit(ckpt_path=...)``
+        of a split module, ``LearningRateFinder`` putting the weights back)."""
 
     # ---------------------------------------------------------------- data and steps
     def on_train_loader(self, loader: Any, trainer: Any) -> Any:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import logging
 from contextlib import ExitStack, nullcontext
-from typing import TYPE_CHECKING, Any, Callable, ContextManager, Optional, TypeVar
+from typing import TYPE_CHECKING, Any, Callable, ContextManager, Mapping, Optional, TypeVar
 
 import torch
 from lightning.fabric.utilities.distributed import _init_dist_connection
@@ -100,6 +100,7 @@ class MegatronStrategy(LightningStepMethods, CheckpointMethods, ReplicaCollectiv
             parts.BufferBroadcast(c, self._ddp_kwargs.get("broadcast_buffers", True)),
             self.grad_buffers,
             self.checkpoints,
+            parts.WeightsWrittenAfterSplit(c),  # after the optimizers are wrapped: fingerprints the set-up weights
         ]
 
     def component(self, kind: type[C]) -> Optional[C]:
@@ -210,6 +211,10 @@ class MegatronStrategy(LightningStepMethods, CheckpointMethods, ReplicaCollectiv
         with empty_optimizers_allowed(module, self._ctx.stage):
             self.setup_optimizers(trainer)
         self.optimizers = self.components.chain("wrap_optimizers", self.optimizers)
+
+    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+        super().load_model_state_dict(checkpoint, strict=strict)
+        self.components.each("on_weights_loaded")  # the strategy's own write, not the user's
 
     def configure_ddp(self) -> None:
         """No DistributedDataParallel wrapper: the gradient buffer does data parallelism."""

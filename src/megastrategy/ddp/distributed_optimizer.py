@@ -380,13 +380,20 @@ class DistributedOptimizer(torch.optim.Optimizer):
         for gather in self.param_gathers.values():
             gather.wait_all()
 
-    def reload_main_params(self) -> None:
-        """Copy the model's current parameters into the fp32 main copies (after changing the
-        parameters outside the optimizer, e.g. loading weights into the module in place)."""
+    @property
+    def has_main_copies(self) -> bool:
+        """Whether some parameter's main weight is a copy (half precision, non-contiguous), which a
+        write to the parameter outside the optimizer does not reach."""
+        return any(not piece.is_view for piece in self._pieces)
+
+    def reload_main_params(self, params: Optional[Iterable[Tensor]] = None) -> None:
+        """Copy the model's current parameters (all, or ``params``) into the fp32 main copies (after
+        changing the parameters outside the optimizer, e.g. loading weights into the module in place)."""
         self.wait_for_param_gather()  # or a late gather would overwrite the loaded weights
+        only = None if params is None else {id(p) for p in params}
         with torch.no_grad():
             for piece in self._pieces:
-                if not piece.is_view:
+                if not piece.is_view and (only is None or id(piece.param) in only):
                     piece.main.copy_(piece.param.detach().reshape(-1)[piece.lo : piece.hi].view(piece.main.shape))
 
     # ------------------------------------------------------------------ clipping

@@ -14,8 +14,10 @@ One launch per layout of tests/scripts/habits_round8.py runs every habit one aft
   reached a backward (219.4 against 229.1 at the first step, other weights silently), now refused by name
   at the first step (``pipeline/local_loss_terms.py``); at tp2 the weights are DDP's but the loss value sums
   a rank's shards (a strict xfail);
-* not yet (strict xfails): weights re-initialized in ``on_fit_start`` (after the split): at tp2 the sharded
-  layers are not ``nn.Linear`` and kept their values, at pp2 each stage drew its own from the stream's start;
+* weights re-initialized in ``on_fit_start`` (after the split): at tp2 the sharded layers are not
+  ``nn.Linear`` and kept their values (21.86 against 4.61), at pp2 each stage drew its own from the stream's
+  start (4.632 against 4.614), silently; now refused at the first step by name (``weights_written_after_split.py``:
+  the written parameters, or at tp the hook's random initializer when nothing was written); DDP's at dp2;
 * ``self(sample)`` under ``torch.no_grad()`` in ``on_train_epoch_end``/``on_validation_epoch_end``: DDP's at
   tp2; at pp2 it failed with a misleading "ln_f is registered after the stack" error, now a refusal
   naming what works (``pipeline/model_calls.py``);
@@ -50,8 +52,8 @@ LAUNCHES = {  # layout: (processes, strategy arguments, habits)
     "ddp": (1, ["--strategy", "ddp"], REPARAMETRIZED + MORE + DATA + TP2_ONLY),
     "tp2": (2, ["--strategy", "megatron", "--tp", "2"], REPARAMETRIZED + MORE + DATA + TP2_ONLY),
     "pp2": (2, ["--strategy", "megatron", "--pp", "2"], REPARAMETRIZED + MORE + DATA),
-    "ddp2": (2, ["--strategy", "ddp", "--dp", "2"], REPLICAS),
-    "dp2": (2, ["--strategy", "megatron", "--dp", "2"], REPLICAS),
+    "ddp2": (2, ["--strategy", "ddp", "--dp", "2"], REPLICAS + ["init-on-fit-start"]),
+    "dp2": (2, ["--strategy", "megatron", "--dp", "2"], REPLICAS + ["init-on-fit-start"]),
 }
 REFERENCE = {"tp2": "ddp", "pp2": "ddp", "dp2": "ddp2"}
 
@@ -231,14 +233,26 @@ def test_self_log_from_the_backward_and_optimizer_hooks(layout):
     assert {"after_backward", "lr_float", "batch_end_loss_step", "batch_end_loss_epoch"} <= set().union(*ref["rows"])
 
 
-@pytest.mark.xfail(strict=True, reason="on_fit_start runs after the strategy split the module: at tp2 the sharded layers "
-                   "are not nn.Linear, so the user's isinstance loop re-initialized none of them (21.86 against DDP's "
-                   "4.61: the model as built, silently); at pp2 each stage draws its own layers' values from the "
-                   "start of the stream (4.632 against 4.614). Exact needs the full weights drawn in one device's "
-                   "order; a refusal needs parameter writes told apart from the strategy's own (checkpoint restore "
-                   "after setup, LearningRateFinder's restore). Re-initialize in __init__, setup() or configure_model")
-@pytest.mark.parametrize("layout", SPLIT)
-def test_weights_reinitialized_in_on_fit_start(layout):
-    ours, ref = _pair(layout, "init-on-fit-start")
+def test_weights_drawn_in_on_fit_start_at_tp2_are_refused_from_the_hooks_source():
+    """The sharded layers are not ``nn.Linear``: the user's loop wrote nothing and the model trained as
+    built (21.86 against DDP's 4.61, silently); no value changed, so the hook's source names the draw."""
+    message = _refused(*_pair("tp2", "init-on-fit-start"), "MegatronConfigError: tp=2, pp=1, ep=1: weights were "
+                                                           "initialized between the split and the first training step")
+    assert "no parameter was written; the hooks call random initializers (InitOnFitStart.on_fit_start line " in message
+    assert "nn.init.normal_(m.weight, std=0.02))" in message and "zeros_(m.bias)" not in message
+    assert "initialize in __init__, setup() or configure_model()" in message
+
+
+def test_weights_drawn_in_on_fit_start_at_pp2_are_refused_naming_the_written_parameters():
+    """Each stage drew its own layers from the start of the random stream (4.632 against 4.614, silently)."""
+    message = _refused(*_pair("pp2", "init-on-fit-start"), "MegatronConfigError: tp=1, pp=2, ep=1: weights were "
+                                                           "initialized between the split and the first training step")
+    assert "parameters were written (rank 0: blocks.0.q.weight, " in message and "; rank 1: blocks.1.q.weight" in message
+    assert ".bias" not in message  # zeroed: a constant fill is every layout's
+
+
+def test_weights_drawn_in_on_fit_start_without_a_split_are_ddps():
+    """Every rank holds the whole model and draws what one device does: not refused."""
+    ours, ref = _pair("dp2", "init-on-fit-start")
     assert ours["raised"] is ref["raised"] is None
     _close(ours["losses"], ref["losses"])

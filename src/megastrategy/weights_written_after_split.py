@@ -77,7 +77,7 @@ class WeightsWrittenAfterSplit(Component):
         self.split = _split_of(config)
         self.sharded_layers = config.tp > 1 or config.ep > 1  # layer classes a user's isinstance loop misses
         self._module: Optional[nn.Module] = None
-        self._optimizers: list = []
+        self._optimizers: Optional[list] = None  # set when fitting (wrap_optimizers), possibly empty
         self._named: list[tuple[str, nn.Parameter]] = []
         self._baseline: Optional[Tensor] = None
 
@@ -90,7 +90,7 @@ class WeightsWrittenAfterSplit(Component):
         return optimizers
 
     def on_weights_loaded(self) -> None:
-        if self._module is not None and self._optimizers:
+        if self._module is not None and self._optimizers is not None:
             self._arm()  # a restore after the split (LearningRateFinder, a resume) starts a new window
 
     def begin_step(self, module: nn.Module, step: StepInfo) -> None:
@@ -98,7 +98,7 @@ class WeightsWrittenAfterSplit(Component):
             self._check()
 
     def teardown(self) -> None:
-        self._module, self._optimizers, self._named, self._baseline = None, [], [], None
+        self._module, self._optimizers, self._named, self._baseline = None, None, [], None
 
     # ------------------------------------------------------------------ the window
     def _arm(self) -> None:

@@ -12,8 +12,9 @@ One launch per layout of tests/scripts/habits_round8.py runs every habit one aft
   (``pipeline/stateful_reparametrization.py``); at tp2 refused as above, and DDP's replicated;
 * a penalty over ``self.parameters()`` added to the loss (weight decay by hand): at pp2 stage 0's share never
   reached a backward (219.4 against 229.1 at the first step, other weights silently), now refused by name
-  at the first step (``pipeline/local_loss_terms.py``); at tp2 the weights are DDP's but the loss value sums
-  a rank's shards (a strict xfail);
+  at the first step (``pipeline/local_loss_terms.py``); at tp2 the weights were DDP's but the loss value
+  summed a rank's shards (142 against 229: what was logged and monitored), now refused by name at the
+  first step (``layers/shard_loss_terms.py``);
 * weights re-initialized in ``on_fit_start`` (after the split): at tp2 the sharded layers are not
   ``nn.Linear`` and kept their values (21.86 against 4.61), at pp2 each stage drew its own from the stream's
   start (4.632 against 4.614), silently; now refused at the first step by name (``weights_written_after_split.py``:
@@ -142,19 +143,14 @@ def test_spectral_norm_on_replicated_layers_at_tp2_is_ddps():
     _close(ours["losses"], ref["losses"])
 
 
-def test_a_penalty_over_self_parameters_at_tp2_trains_one_devices_weights():
-    """``loss + λ·Σ‖p‖²`` over ``self.parameters()``: each shard's gradient is its part of one device's,
-    so the weights are DDP's (the cross-entropy validated after 4 SGD steps)."""
-    ours, ref = _pair("tp2", "l2-penalty")
-    assert ours["raised"] is ref["raised"] is None
-    _close([ours["val_loss"]], [ref["val_loss"]])
-
-
-@pytest.mark.xfail(strict=True, reason="the penalty's value sums this rank's shards (142 against 229 at tp2): the "
-                   "user's sum over self.parameters() would have to be all-reduced over the sharded parameters, "
-                   "which a strategy cannot do to arbitrary code in the step; the weights trained are DDP's")
-def test_a_penalty_over_self_parameters_at_tp2_logs_one_devices_loss():
-    _close(*(r["losses"] for r in _pair("tp2", "l2-penalty")))
+def test_a_penalty_over_self_parameters_at_tp2_is_refused_by_name():
+    """``loss + λ·Σ‖p‖²`` over ``self.parameters()``: each shard's gradient is its part of one device's (the
+    weights trained were DDP's), but the loss value summed this rank's shards (142 against 229 at the first
+    step): what rank 0 logged and monitored was silently not DDP's; now refused at the first step."""
+    message = _refused(*_pair("tp2", "l2-penalty"), "MegatronConfigError: tp=2: training_step returned a loss that "
+                                                    "reads tensor-parallel shards outside their layers' forward: ")
+    assert "blocks.0.q.weight (read by PowBackward0)" in message and "ln_f.weight" not in message
+    assert "weight_decay" in message and "tp=1" in message
 
 
 def test_a_penalty_over_self_parameters_is_refused_at_pp2():

@@ -9,6 +9,7 @@ from megastrategy.ddp.component import GradientBuffers
 from megastrategy.ddp.nonfinite_guard import NonFiniteGuard
 from megastrategy.ddp.sync_batchnorm import SyncBatchNormLayers
 from megastrategy.layers.components import Recompute, SequenceParallel, TensorParallel, TransformerEngine
+from megastrategy.layers.shard_loss_terms import ShardLossTerms
 from megastrategy.moe.component import ExpertParallel
 from megastrategy.pipeline.component import Pipeline
 from megastrategy.runtime import BatchBroadcast, Watchdog
@@ -16,6 +17,6 @@ from megastrategy.weights_written_after_split import WeightsWrittenAfterSplit
 
 __all__ = [
     "AveragedCopies", "BatchBroadcast", "BufferBroadcast", "Checkpoints", "ContextParallelComponent", "CudaGraphs", "ExpertParallel", "GradientBuffers", "NonFiniteGuard", "Pipeline",
-    "Recompute", "SequenceParallel", "SyncBatchNormLayers", "TensorParallel", "TransformerEngine", "Watchdog",
+    "Recompute", "SequenceParallel", "ShardLossTerms", "SyncBatchNormLayers", "TensorParallel", "TransformerEngine", "Watchdog",
     "WeightsWrittenAfterSplit",
 ]

@@ -25,6 +25,9 @@ class LightningStepMethods:
     def _before_training_step(self) -> None:
         """Before the step runner's backward (the strategy clears gradients no optimizer step used)."""
 
+    def _before_backward(self, loss: torch.Tensor) -> None:
+        """A single stage's loss, before its backward (the strategy checks what it reads)."""
+
     def _step(self, name: str, context: Callable[[], Any], args: tuple, kwargs: dict) -> Any:
         module = self.lightning_module
         args, kwargs = self.precision_plugin.convert_input((args, kwargs))
@@ -44,6 +47,7 @@ class LightningStepMethods:
 
     def _lightning_backward(self, loss: torch.Tensor) -> None:
         """The one-stage backward, as Lightning runs it: hooks, precision plugin, ``module.backward``."""
+        self._before_backward(loss)
         DDPStrategy.backward(self, loss, None)
 
     def _lightning_backward_hooks(self, loss: torch.Tensor) -> None:
@@ -67,4 +71,5 @@ class LightningStepMethods:
     def backward(self, closure_loss: torch.Tensor, optimizer, *args: Any, **kwargs: Any) -> torch.Tensor:
         if self.lightning_module.automatic_optimization:
             return closure_loss  # the step runner already ran every backward of the step
+        self._before_backward(closure_loss)
         return super().backward(closure_loss, optimizer, *args, **kwargs)  # type: ignore[misc]

@@ -88,6 +88,7 @@ class MegatronStrategy(LightningStepMethods, CheckpointMethods, ReplicaCollectiv
             parts.NonFiniteGuard(c),
             parts.BatchBroadcast(c),
             parts.TensorParallel(c),
+            parts.ShardLossTerms(c),  # tp, pp=1: the first step's loss read for shards outside their layers
             parts.SequenceParallel(c),
             parts.TransformerEngine(c),
             parts.Recompute(c),
@@ -279,6 +280,11 @@ class MegatronStrategy(LightningStepMethods, CheckpointMethods, ReplicaCollectiv
         if self._ctx is not None:
             clear_unstepped_grads(self.lightning_module.trainer, self._ctx.grad_buffers,
                                   lambda: self.components.each("zero_grads"))
+
+    def _before_backward(self, loss: torch.Tensor) -> None:
+        shard_terms = self.component(parts.ShardLossTerms)
+        if shard_terms is not None:
+            shard_terms.check(loss)  # tp: a loss value that counts this rank's shards is refused
 
     def _clip_user_params(self, params: list, max_norm: float, norm_type: float) -> torch.Tensor:
         """The user's ``torch.nn.utils.clip_grad_norm_`` on the model: reduced first under manual

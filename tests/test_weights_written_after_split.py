@@ -141,3 +141,12 @@ def test_without_a_split_a_written_half_precision_weight_reaches_its_main_copy()
     opt.step()
     assert torch.equal(net.out.weight.float(), main_of_out.view_as(net.out.weight).bfloat16().float())
     assert (net.out.weight.float() - drawn).abs().max() < 0.05  # a step from the drawn weights, not the old ones
+
+
+def test_a_parameter_without_values_is_never_written():
+    """A stand-in left on the meta device beside real parameters."""
+    stand_in, real = nn.Parameter(torch.empty(3, device="meta")), nn.Parameter(torch.ones(2))
+    before = fingerprints([stand_in, real])
+    with torch.no_grad():
+        real.mul_(2)
+    assert written(before, fingerprints([stand_in, real])) == [False, True]

@@ -42,14 +42,17 @@ _NAMED = 6  # parameters named per rank in a refusal
 def fingerprints(params: list[Tensor]) -> Tensor:
     """``[len(params), 3]`` float64 on the parameters' device: each one's sum, norm and strided sum
     (a re-draw, a scaling or a permutation changes one of them; one pass over the weights, no copy)."""
-    if not params:
-        return torch.zeros(0, 3, dtype=torch.float64)
+    real = [p for p in params if not p.is_meta]
+    device = real[0].device if real else torch.device("cpu")
     rows = []
     for p in params:
         t = p.detach()
+        if t.is_meta:  # holds no values (a stand-in): nothing to write
+            rows.append(torch.zeros(3, dtype=torch.float64, device=device))
+            continue
         rows.append(torch.stack([t.sum(dtype=torch.float64), torch.linalg.vector_norm(t, dtype=torch.float64),
-                                 t.reshape(-1)[::7].sum(dtype=torch.float64)]))
-    return torch.stack(rows)
+                                 t.reshape(-1)[::7].sum(dtype=torch.float64)]).to(device))
+    return torch.stack(rows) if rows else torch.zeros(0, 3, dtype=torch.float64)
 
 
 def written(before: Tensor, after: Tensor) -> list[bool]:
@@ -61,7 +64,7 @@ def written(before: Tensor, after: Tensor) -> list[bool]:
 def _constant(p: Tensor) -> bool:
     """A fill the same everywhere (zeros_, ones_, constant_): every shard of it is one device's."""
     t = p.detach()
-    return t.numel() == 0 or bool((t == t.reshape(-1)[0]).all())
+    return t.numel() == 0 or t.is_meta or bool((t == t.reshape(-1)[0]).all())
 
 
 def _split_of(config: MegatronConfig) -> str:

@@ -18,7 +18,8 @@ One launch per layout of tests/scripts/habits_round8.py runs every habit one aft
 * weights re-initialized in ``on_fit_start`` (after the split): at tp2 the sharded layers are not
   ``nn.Linear`` and kept their values (21.86 against 4.61), at pp2 each stage drew its own from the stream's
   start (4.632 against 4.614), silently; now refused at the first step by name (``weights_written_after_split.py``:
-  the written parameters, or at tp the hook's random initializer when nothing was written); DDP's at dp2;
+  the written parameters, or at tp the hook's random initializer when nothing was written), also when a
+  ``LearningRateFinder`` trained and restored the weights before the draw (its restore is not refused); DDP's at dp2;
 * ``self(sample)`` under ``torch.no_grad()`` in ``on_train_epoch_end``/``on_validation_epoch_end``: DDP's at
   tp2; at pp2 it failed with a misleading "ln_f is registered after the stack" error, now a refusal
   naming what works (``pipeline/model_calls.py``);
@@ -47,7 +48,7 @@ REPARAMETRIZED = ["weight-norm-column", "weight-norm-row", "weight-norm-replicat
 DATA = ["pre-batched-loader", "weighted-sampler", "worker-augmentation"]
 TP2_ONLY = ["nn-transformer", "spectral-norm-replicated", "l2-penalty"]  # at pp2 refused mid-launch, or like others
 REPLICAS = ["weighted-sampler", "worker-augmentation"]  # what depends on the replica's rank
-MORE = ["init-on-fit-start", "mha-block", "hparams-checkpoint-names", "monitor-train-loss", "cosine-warmup-accumulation",
+MORE = ["init-on-fit-start", "init-after-lr-finder", "mha-block", "hparams-checkpoint-names", "monitor-train-loss", "cosine-warmup-accumulation",
         "sample-at-epoch-end", "logs-in-hooks"]
 LAUNCHES = {  # layout: (processes, strategy arguments, habits)
     "ddp": (1, ["--strategy", "ddp"], REPARAMETRIZED + MORE + DATA + TP2_ONLY),
@@ -252,3 +253,20 @@ def test_weights_drawn_in_on_fit_start_without_a_split_are_ddps():
     ours, ref = _pair("dp2", "init-on-fit-start")
     assert ours["raised"] is ref["raised"] is None
     _close(ours["losses"], ref["losses"])
+
+
+def test_weights_drawn_after_the_lr_finders_restore_are_refused_at_pp2():
+    """The finder's restore is the strategy's own write (not refused: its 4 steps are DDP's); the module's
+    draw after it, in its own ``on_fit_start``, is refused at the first step of the fit itself."""
+    ours, ref = _pair("pp2", "init-after-lr-finder")
+    assert ref["raised"] is None and len(ref["losses"]) == 2 and len(ref["finder_losses"]) == 4
+    _close(ours["finder_losses"], ref["finder_losses"])
+    assert ours["losses"] == []
+    assert ours["raised"].startswith("MegatronConfigError: tp=1, pp=2, ep=1: weights were initialized"), ours["raised"]
+    assert "parameters were written (rank 0: blocks.0.q.weight" in ours["raised"]
+
+
+def test_weights_drawn_after_the_lr_finder_at_tp2_are_refused_before_it_trains():
+    """At tp the hook's source names the draw, so the refusal comes at the finder's first step."""
+    ours, _ = _pair("tp2", "init-after-lr-finder")
+    assert ours["losses"] == ours["finder_losses"] == [] and "InitOnFitStart.on_fit_start line " in ours["raised"]

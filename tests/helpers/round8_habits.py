@@ -397,3 +397,19 @@ def init_on_fit_start(args, workdir):
 
 
 HABITS["init-on-fit-start"] = init_on_fit_start
+
+
+def init_after_lr_finder(args, workdir):
+    """``LearningRateFinder`` as a callback (its ``lr_find`` trains, then restores the weights, in the
+    callback's ``on_fit_start``) before the module's own ``on_fit_start`` draws the weights again."""
+    from lightning.pytorch.callbacks import LearningRateFinder
+
+    finder = LearningRateFinder(min_lr=1e-4, max_lr=1.0, num_training_steps=4, early_stop_threshold=None)
+    losses = StepLosses()
+    t = trainer(args, [finder, losses], max_steps=2, limit_val_batches=0, default_root_dir=str(workdir))
+    _, raised = _raised(lambda: t.fit(InitOnFitStart(batch_size=8 // args.dp)))
+    found = getattr(finder, "optimal_lr", None)
+    return {"losses": losses.losses, "raised": raised, "finder_losses": found.results["loss"] if found else []}
+
+
+HABITS["init-after-lr-finder"] = init_after_lr_finder

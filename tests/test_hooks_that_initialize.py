@@ -40,6 +40,22 @@ class ConstantsOnly(L.LightningModule):
         self.seen = sum(p.numel() for p in self.parameters())
 
 
+class NoiseAndNamedLayer(L.LightningModule):
+    """Draws into a buffer and into a layer named directly: no pick by type, so no sharded layer is skipped
+    (a named parameter's write is caught by its values)."""
+
+    def on_train_epoch_start(self):
+        self.noise.normal_()
+        nn.init.xavier_uniform_(self.head.weight)
+
+
+class ClassNameLoop(L.LightningModule):
+    def on_fit_start(self):
+        for m in self.modules():
+            if m.__class__.__name__ == "Linear":
+                m.reset_parameters()
+
+
 class ReinitCallback(L.Callback):
     def on_fit_start(self, trainer, pl_module):
         pl_module.apply(init_weights)
@@ -69,3 +85,12 @@ def test_a_user_callbacks_hook_and_the_function_it_applies():
 def test_constant_fills_and_lightnings_own_hooks_are_not_listed():
     assert _found(ConstantsOnly(), [LearningRateFinder()]) == []
     assert _found(L.LightningModule()) == []
+
+
+def test_draws_without_a_pick_by_type_are_not_listed():
+    assert _found(NoiseAndNamedLayer()) == []
+
+
+def test_a_pick_by_class_name_counts_as_a_type_test():
+    (found,) = _found(ClassNameLoop())
+    assert found.startswith("ClassNameLoop.on_fit_start line ") and found.endswith("m.reset_parameters()")

@@ -7,8 +7,11 @@ parameter changes and the model silently trains as built. Only the code can tell
 source of the module's and the user's callbacks' hooks of that window (and, one class deep, the
 methods and module-level functions they name, e.g. ``self.apply(self._init_weights)``) for calls of
 random initializers (``nn.init.normal_``, ``kaiming_uniform_``, ``m.weight.data.normal_()``,
-``reset_parameters()``, ...). Constant fills are exact on any layout and not listed. Source that
-cannot be read (defined in a REPL, compiled) is skipped.
+``reset_parameters()``, ...) in code that picks modules by their type (``isinstance``, ``type(m)``,
+``m.__class__``): only such a pick can skip a sharded layer and write nothing; a draw into a tensor
+named directly (a noise buffer, ``self.fc.weight``) either writes a watched parameter or none of the
+model's. Constant fills are exact on any layout and not listed. Source that cannot be read (defined
+in a REPL, compiled) is skipped.
 """
 from __future__ import annotations
 
@@ -42,26 +45,42 @@ def random_initializers_in_hooks(module: nn.Module) -> list[str]:
         for hook in WINDOW_HOOKS:
             method = getattr(type(owner), hook, None)
             if inspect.isfunction(method) and _user_code(method):
-                found += random_initializers_in(method, type(owner))
+                calls, typed = _initializers_and_type_tests(method, type(owner))
+                found += calls if typed else []
     return found
 
 
-def random_initializers_in(func: Callable, owner: Optional[type], depth: int = _DEPTH,
-                           seen: Optional[set] = None) -> list[str]:
+def random_initializers_in(func: Callable, owner: Optional[type]) -> list[str]:
     """The random initializer calls in ``func``'s source and in the user functions it names."""
+    return _initializers_and_type_tests(func, owner)[0]
+
+
+def _initializers_and_type_tests(func: Callable, owner: Optional[type], depth: int = _DEPTH,
+                                 seen: Optional[set] = None) -> tuple[list[str], bool]:
+    """The random initializer calls in ``func`` and the user functions it names, and whether any of
+    that code tests a module's type."""
     seen = set() if seen is None else seen
     if func in seen or depth < 0:
-        return []
+        return [], False
     seen.add(func)
     parsed = _parse(func)
     if parsed is None:
-        return []
+        return [], False
     tree, source, first_line = parsed
     found = [f"{func.__qualname__} line {first_line + node.lineno - 1}: {ast.get_source_segment(source, node)}"
              for node in ast.walk(tree) if isinstance(node, ast.Call) and _callee_name(node.func) in RANDOM_INITIALIZERS]
+    typed = any(_tests_a_type(node) for node in ast.walk(tree))
     for named in _named_user_functions(tree, func, owner):
-        found += random_initializers_in(named, owner, depth - 1, seen)
-    return found
+        calls, named_typed = _initializers_and_type_tests(named, owner, depth - 1, seen)
+        found, typed = found + calls, typed or named_typed
+    return found, typed
+
+
+def _tests_a_type(node: ast.AST) -> bool:
+    """``isinstance(m, ...)``, ``type(m)`` or ``m.__class__``: a pick by type."""
+    if isinstance(node, ast.Call) and isinstance(node.func, ast.Name):
+        return node.func.id in ("isinstance", "type")
+    return isinstance(node, ast.Attribute) and node.attr == "__class__"
 
 
 def _parse(func: Callable) -> Optional[tuple[ast.AST, str, int]]:

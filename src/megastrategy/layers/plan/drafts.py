@@ -47,6 +47,10 @@ class DraftEntry:
     bias_kwarg: str | None = None
     #: ``head_vector``: the attention's own per-head parameter vectors (DeBERTa v1's q_bias, v_bias)
     params: tuple[str, ...] | None = None
+    #: ``multi_query``: the packed projection's query and key/value heads and their size
+    q_heads: int | None = None
+    kv_heads: int | None = None
+    head_dim: int | None = None
 
     @classmethod
     def builtin(cls, style: str, source: str, unit: BuiltinUnit, extra: dict[str, Any]) -> "DraftEntry":
@@ -62,6 +66,9 @@ class DraftEntry:
             heads=extra.get("heads"),
             bias_kwarg=extra.get("bias_kwarg"),
             params=extra.get("params"),
+            q_heads=extra.get("q_heads"),
+            kv_heads=extra.get("kv_heads"),
+            head_dim=extra.get("head_dim"),
         )
 
     @property
@@ -88,6 +95,9 @@ class DraftEntry:
             ("heads", self.heads),
             ("bias_kwarg", self.bias_kwarg),
             ("params", self.params),
+            ("q_heads", self.q_heads),
+            ("kv_heads", self.kv_heads),
+            ("head_dim", self.head_dim),
         )
         return {k: v for k, v in pairs if v is not None}
 

@@ -11,7 +11,9 @@ identity whose backward sums the gradient over TP. A query row's gradient then c
 rank, and a key/value row's is the sum of every rank's partial gradient (each rank's query heads
 attend to the shared keys), which is the full model's gradient, so the replicas stay identical,
 as :mod:`megastrategy.layers.grad_sum` keeps them. The input's gradient is summed over TP, as a
-column-parallel layer's is.
+column-parallel layer's is; with sequence parallelism the input is gathered along the sequence as a
+column-parallel layer gathers it (``sequence_parallel``, ``input_copy``: set by
+:mod:`megastrategy.layers.sequence_parallel`).
 """
 from __future__ import annotations
 
@@ -23,7 +25,13 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from megastrategy.errors import MegatronConfigError
-from megastrategy.layers.mappings import ProcessGroupRef, copy_to_tensor_parallel_region, group_rank, group_world_size
+from megastrategy.layers.mappings import (
+    ProcessGroupRef,
+    copy_to_tensor_parallel_region,
+    gather_from_sequence_parallel_region,
+    group_rank,
+    group_world_size,
+)
 from megastrategy.layers.unit_types import is_conv1d
 
 __all__ = ["MultiQueryLayout", "MultiQueryPackedLinear", "read_packed_qkv"]
@@ -107,13 +115,20 @@ class MultiQueryPackedLinear(nn.Module):
         self._group_ref = ProcessGroupRef(group)
         self.tp_rank, self.tp_size = group_rank(group), group_world_size(group)
         self._q, self._kv = layout.local_rows(self.tp_rank, self.tp_size)
+        self.input_copy: Any = None
+        self.sequence_parallel, self.sequence_dim = False, 0
 
     @property
     def group(self):
         return self._group_ref.group
 
     def forward(self, x: Tensor) -> Tensor:
-        x = copy_to_tensor_parallel_region(x, self.group)
+        if self.input_copy is not None:
+            x = self.input_copy(x)
+        elif self.sequence_parallel:
+            x = gather_from_sequence_parallel_region(x, self.group, self.sequence_dim)
+        else:
+            x = copy_to_tensor_parallel_region(x, self.group)
         weight = _rows(copy_to_tensor_parallel_region(self.weight, self.group), 1 if self.transposed else 0, self._q, self._kv)
         bias = None if self.bias is None else _rows(copy_to_tensor_parallel_region(self.bias, self.group), 0, self._q, self._kv)
         return F.linear(x, weight.t() if self.transposed else weight, bias)

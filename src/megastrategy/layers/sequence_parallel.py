@@ -696,12 +696,13 @@ class _SequenceParallelInstaller:
     # -- norms layout: only the norms run on a sequence slice ---------------------------------
     def norms_layout(self, blocks: list[nn.Module]) -> None:
         from megastrategy.layers.linear import ColumnParallelLinear
+        from megastrategy.layers.multi_query import MultiQueryPackedLinear
 
         for b in blocks:
             self._split_norms(b)
             adapters = sharded_column_adapters(b)  # fed A's output (split like the norm's), not a norm's
             for m in b.modules():
-                if isinstance(m, ColumnParallelLinear):
+                if isinstance(m, (ColumnParallelLinear, MultiQueryPackedLinear)):  # both gather the norm's slices
                     m.sequence_parallel, m.sequence_dim = True, self.dim
                     m.input_copy = self.column_gather(m)
                     self.setup.column_layers.append(self.name_of(m))

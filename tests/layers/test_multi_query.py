@@ -1,0 +1,107 @@
+"""Multi-query packed projections (megastrategy.layers.multi_query): which layouts are read, the
+plan structural detection gives GPT-BigCode and Falcon, and the layer's exactness on two ranks:
+its output is rank r's ``[q_r | k | v]`` and its weight, input and bias gradients are one device's."""
+from __future__ import annotations
+
+import pytest
+
+from megastrategy.errors import MegatronConfigError
+from megastrategy.layers.multi_query import MultiQueryLayout, read_packed_qkv
+from megastrategy.layers.plan import resolve_tp_plan
+from tests.helpers.dist import run_distributed
+from tests.helpers.hf_zoo import tiny_model
+
+
+def test_packed_qkv_layouts_are_read_from_split_sizes_or_a_view():
+    assert read_packed_qkv("split", 48, [32, 8, 8], {4}) == MultiQueryLayout(4, 1, 8)  # GPT-BigCode
+    assert read_packed_qkv("view", 48, [6, 8], {4, 1}) == MultiQueryLayout(4, 1, 8)  # Falcon: [4 + 2, 8]
+    assert read_packed_qkv("split", 64, [32, 16, 16], {4, 2}).sections == (32, 16, 16)  # grouped: 2 kv heads
+    assert read_packed_qkv("split", 48, [16, 16, 16], {4}) is None  # equal chunks are not this reading
+    assert read_packed_qkv("split", 56, [32, 8, 8, 8], {4}) is None  # four parts
+    assert read_packed_qkv("view", 56, [7, 8], {4}) is None  # 3 left over: not k and v of equal size
+    assert read_packed_qkv("split", 44, [32, 6, 6], {4}) is None  # k narrower than a head
+
+
+def test_local_rows_are_the_ranks_query_heads_and_every_key_value_row():
+    layout = MultiQueryLayout(4, 1, 8)
+    assert layout.local_rows(1, 2) == ((16, 16), (32, 16))
+    assert layout.local_rows(3, 4) == ((24, 8), (32, 16))
+    with pytest.raises(MegatronConfigError, match="tp=8 does not divide the 4 query heads"):
+        layout.local_rows(0, 8)
+
+
+def _styles(plan):
+    return {e.name: (e.style, dict(e.extra)) for e in plan.entries if e.style != "replicate"}
+
+
+@pytest.mark.parametrize("arch, overrides, attn, proj", [
+    ("gpt_bigcode", {}, "transformer.h.0.attn", "c_attn"),
+    ("falcon", dict(new_decoder_architecture=False, multi_query=True, num_attention_heads=4, num_kv_heads=None),
+     "transformer.h.0.self_attention", "query_key_value"),
+])
+def test_multi_query_models_split_query_heads_and_keep_key_value_counts(arch, overrides, attn, proj):
+    plan = resolve_tp_plan(tiny_model(arch, **overrides), None, 2)
+    style, extra = _styles(plan)[f"{attn}.{proj}"]
+    assert style == "multi_query" and extra["q_heads"] == 4 and extra["kv_heads"] == 1 and extra["head_dim"] == 8
+    fixed = {f.attr: (f.old, f.new) for f in plan.fixups if f.module == attn}
+    assert fixed["num_heads"] == (4, 2)
+    assert "num_kv_heads" not in fixed and "kv_heads" not in fixed  # the one key/value head stays whole
+    if arch == "gpt_bigcode":  # split((embed_dim, kv_dim, kv_dim)) and repeat_kv(key, num_key_value_groups)
+        assert fixed["embed_dim"] == (32, 16) and fixed["num_key_value_groups"] == (4, 2)
+
+
+def test_gpt_bigcode_with_a_key_value_head_per_query_head_is_a_plain_column():
+    plan = resolve_tp_plan(tiny_model("gpt_bigcode", multi_query=False), None, 2)  # view [heads, 3 * head_dim]
+    assert _styles(plan)["transformer.h.0.attn.c_attn"][0] == "column"
+
+
+def test_megastrategy_plan_prints_gpt_bigcode_at_tp2():
+    from megastrategy.layers.plan_report import report_for
+
+    report = report_for("gpt_bigcode", 2)  # SantaCoder-sized default config, on meta
+    assert "transformer.h.*.attn.c_attn  multi_query (q_heads=12, kv_heads=1, head_dim=64)" in report
+    assert "transformer.h.*.attn.c_proj  row" in report
+
+
+def _layer_exactness(rank, world):
+    """The sharded layer on each rank against the full layer on one device; each rank's loss uses its
+    query rows and the shared k/v rows (as attention does), the one-device loss is their sum."""
+    import torch
+    import torch.distributed as dist
+    from torch import nn
+    from transformers.pytorch_utils import Conv1D
+
+    from megastrategy.layers.multi_query import MultiQueryPackedLinear
+
+    layout, out = MultiQueryLayout(4, 1, 4), {}
+    for kind in ("linear", "conv1d"):
+        torch.manual_seed(0)
+        full = nn.Linear(8, 24) if kind == "linear" else Conv1D(24, 8)
+        if kind == "conv1d":
+            nn.init.normal_(full.bias)
+        (_, q_len), (kv_at, kv_len) = layout.local_rows(0, world)
+        x = torch.randn(2, 3, 8)
+        grads = [torch.randn(2, 3, q_len + kv_len) for _ in range(world)]  # each rank's upstream gradient
+        ref_x = x.clone().requires_grad_(True)
+        y = full(ref_x)
+        ref = sum((torch.cat([y[..., r * q_len:(r + 1) * q_len], y[..., kv_at:kv_at + kv_len]], -1) * g).sum()
+                  for r, g in enumerate(grads))
+        ref.backward()
+        want = (ref_x.grad, full.weight.grad.clone(), full.bias.grad.clone())
+        full.weight.grad = full.bias.grad = None
+        layer = MultiQueryPackedLinear(full, layout, dist.group.WORLD)
+        mine = x.clone().requires_grad_(True)
+        local = layer(mine)
+        (local * grads[rank]).sum().backward()
+        got = (mine.grad, layer.weight.grad, layer.bias.grad)
+        out[kind] = [float((a - b).abs().max()) for a, b in zip(got, want)]
+        out[kind].append(float((local[..., :q_len] - y[..., rank * q_len:(rank + 1) * q_len]).abs().max()))
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_the_layer_gives_one_devices_output_and_gradients_tp2():
+    for rank_result in run_distributed(_layer_exactness, 2, timeout=100):
+        for kind, errors in rank_result.items():
+            assert max(errors) < 1e-5, (kind, errors)  # input, weight, bias gradients; the local query rows

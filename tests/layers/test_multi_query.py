@@ -105,3 +105,26 @@ def test_the_layer_gives_one_devices_output_and_gradients_tp2():
     for rank_result in run_distributed(_layer_exactness, 2, timeout=100):
         for kind, errors in rank_result.items():
             assert max(errors) < 1e-5, (kind, errors)  # input, weight, bias gradients; the local query rows
+
+
+#: the Hugging Face multi-query layouts of the matrix (tests/layers/test_hf_matrix.py trains them at tp2):
+#: 4 query heads, one per rank at tp4, each rank computing the one key/value head
+TP4_MODELS = ("gpt_bigcode:lm", "falcon-mqa:lm")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_multi_query_models_match_one_device_tp4():
+    from pathlib import Path
+
+    from tests.helpers.launch import run_script
+
+    script = Path(__file__).resolve().parents[1] / "scripts" / "hf_matrix.py"
+    models = ["--models", ",".join(TP4_MODELS)]
+    ref = run_script(script, 1, ["--strategy", "ddp", *models], timeout=240)
+    tp4 = run_script(script, 4, ["--strategy", "megatron", "--tp", "4", *models], timeout=240)
+    for model in TP4_MODELS:
+        assert "error" not in tp4[model], (model, tp4[model]["error"])
+        assert tp4[model]["sources"] and all(s.startswith("structural:") for s in tp4[model]["sources"]), model
+        got, want = tp4[model]["loss"] + [tp4[model]["val_loss"]], ref[model]["loss"] + [ref[model]["val_loss"]]
+        assert len(got) == len(want) == 4 and max(abs(a - b) for a, b in zip(got, want)) <= 2e-4, (model, got, want)

@@ -112,19 +112,48 @@ def test_the_layer_gives_one_devices_output_and_gradients_tp2():
 TP4_MODELS = ("gpt_bigcode:lm", "falcon-mqa:lm")
 
 
-@pytest.mark.slow
-@pytest.mark.timeout(300)
-def test_multi_query_models_match_one_device_tp4():
+def _matrix(nprocs: int, *args: str) -> dict:
+    """tests/scripts/hf_matrix.py on ``TP4_MODELS`` (identical calls in a session train once)."""
     from pathlib import Path
 
     from tests.helpers.launch import run_script
 
     script = Path(__file__).resolve().parents[1] / "scripts" / "hf_matrix.py"
-    models = ["--models", ",".join(TP4_MODELS)]
-    ref = run_script(script, 1, ["--strategy", "ddp", *models], timeout=240)
-    tp4 = run_script(script, 4, ["--strategy", "megatron", "--tp", "4", *models], timeout=240)
+    return run_script(script, nprocs, ["--models", ",".join(TP4_MODELS), *args], timeout=240)
+
+
+def _assert_matches_one_device(got: dict, model: str) -> None:
+    ref = _matrix(1, "--strategy", "ddp")[model]
+    assert "loss" in got[model], (model, got[model])
+    assert got[model]["sources"] and all(s.startswith("structural:") for s in got[model]["sources"]), model
+    mine, want = got[model]["loss"] + [got[model]["val_loss"]], ref["loss"] + [ref["val_loss"]]
+    assert len(mine) == len(want) == 4 and max(abs(a - b) for a, b in zip(mine, want)) <= 2e-4, (model, mine, want)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_multi_query_models_match_one_device_tp4():
+    tp4 = _matrix(4, "--strategy", "megatron", "--tp", "4")
     for model in TP4_MODELS:
-        assert "error" not in tp4[model], (model, tp4[model]["error"])
-        assert tp4[model]["sources"] and all(s.startswith("structural:") for s in tp4[model]["sources"]), model
-        got, want = tp4[model]["loss"] + [tp4[model]["val_loss"]], ref[model]["loss"] + [ref[model]["val_loss"]]
-        assert len(got) == len(want) == 4 and max(abs(a - b) for a, b in zip(got, want)) <= 2e-4, (model, got, want)
+        _assert_matches_one_device(tp4, model)
+
+
+def _sequence_parallel_run() -> dict:
+    return _matrix(2, "--strategy", "megatron", "--tp", "2", "--sequence-parallel", "--keep-going")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_falcon_multi_query_matches_one_device_tp2_sequence_parallel():
+    """The projection gathers the split norm output along the sequence, as column-parallel layers do."""
+    _assert_matches_one_device(_sequence_parallel_run(), "falcon-mqa:lm")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+@pytest.mark.xfail(strict=True, reason=(
+    "sequence parallelism's norms layout splits the norm output GPT-BigCode's attention reads its shape from "
+    "(view(*hidden_states.shape[:2], ...)): a RuntimeError in the first step, with or without multi-query; "
+    "the attention would have to gather its input as the residual layout's known blocks do"))
+def test_gpt_bigcode_matches_one_device_tp2_sequence_parallel():
+    _assert_matches_one_device(_sequence_parallel_run(), "gpt_bigcode:lm")

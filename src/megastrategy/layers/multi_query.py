@@ -25,13 +25,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from megastrategy.errors import MegatronConfigError
-from megastrategy.layers.mappings import (
-    ProcessGroupRef,
-    copy_to_tensor_parallel_region,
-    gather_from_sequence_parallel_region,
-    group_rank,
-    group_world_size,
-)
+from megastrategy.layers.linear import column_parallel_input
+from megastrategy.layers.mappings import ProcessGroupRef, copy_to_tensor_parallel_region, group_rank, group_world_size
 from megastrategy.layers.unit_types import is_conv1d
 
 __all__ = ["MultiQueryLayout", "MultiQueryPackedLinear", "read_packed_qkv"]
@@ -123,12 +118,7 @@ class MultiQueryPackedLinear(nn.Module):
         return self._group_ref.group
 
     def forward(self, x: Tensor) -> Tensor:
-        if self.input_copy is not None:
-            x = self.input_copy(x)
-        elif self.sequence_parallel:
-            x = gather_from_sequence_parallel_region(x, self.group, self.sequence_dim)
-        else:
-            x = copy_to_tensor_parallel_region(x, self.group)
+        x = column_parallel_input(self, x)
         weight = _rows(copy_to_tensor_parallel_region(self.weight, self.group), 1 if self.transposed else 0, self._q, self._kv)
         bias = None if self.bias is None else _rows(copy_to_tensor_parallel_region(self.bias, self.group), 0, self._q, self._kv)
         return F.linear(x, weight.t() if self.transposed else weight, bias)

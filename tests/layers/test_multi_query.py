@@ -20,6 +20,7 @@ def test_packed_qkv_layouts_are_read_from_split_sizes_or_a_view():
     assert read_packed_qkv("split", 56, [32, 8, 8, 8], {4}) is None  # four parts
     assert read_packed_qkv("view", 56, [7, 8], {4}) is None  # 3 left over: not k and v of equal size
     assert read_packed_qkv("split", 44, [32, 6, 6], {4}) is None  # k narrower than a head
+    assert read_packed_qkv("split", 32, [32, 0, 0], {4}) is None  # no key/value at all
 
 
 def test_local_rows_are_the_ranks_query_heads_and_every_key_value_row():
@@ -48,6 +49,8 @@ def test_multi_query_models_split_query_heads_and_keep_key_value_counts(arch, ov
     assert "num_kv_heads" not in fixed and "kv_heads" not in fixed  # the one key/value head stays whole
     if arch == "gpt_bigcode":  # split((embed_dim, kv_dim, kv_dim)) and repeat_kv(key, num_key_value_groups)
         assert fixed["embed_dim"] == (32, 16) and fixed["num_key_value_groups"] == (4, 2)
+    with pytest.raises(MegatronConfigError, match="use tp in {1, 2, 4}"):  # 4 query heads, before any work
+        resolve_tp_plan(tiny_model(arch, **overrides), None, 8)
 
 
 def test_gpt_bigcode_with_a_key_value_head_per_query_head_is_a_plain_column():

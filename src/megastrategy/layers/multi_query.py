@@ -71,10 +71,10 @@ def read_packed_qkv(op: str, width: int, parts: list[int], heads: set[int]) -> M
     the attention's head counts ``heads``; ``None`` when that is not such a layout.
 
     ``split`` into ``(n_q·d, n_kv·d, n_kv·d)`` (GPT-BigCode) or ``view`` as ``[n_q + 2·n_kv, d]``
-    (Falcon's multi-query ``_split_heads``); ``n_q`` is one of the head counts."""
+    (Falcon's multi-query ``_split_heads``); ``n_q`` is one of the head counts, the largest that fits."""
     for q_heads in sorted(heads, reverse=True):
         layout = None
-        if op == "split" and len(parts) == 3 and parts[1] == parts[2] and parts[0] > parts[1] and parts[0] % q_heads == 0:
+        if op == "split" and len(parts) == 3 and 0 < parts[1] == parts[2] < parts[0] and parts[0] % q_heads == 0:
             head_dim = parts[0] // q_heads
             if parts[1] % head_dim == 0:
                 layout = MultiQueryLayout(q_heads, parts[1] // head_dim, head_dim)

@@ -224,7 +224,7 @@ class _Detector:
         kept = {a for a, v in heads.items() if v == chunks.kv_heads}
         module = self.modules[owner]
         groups = tuple(a for a in _GROUP_ATTRS if getattr(module, a, None) == chunks.q_heads // chunks.kv_heads)
-        checks = [c for c in checks if c.attr not in kept]
+        checks = [c for c in checks if c.attr not in kept] + [SizeCheck(names[0], "query heads", chunks.q_heads, "query heads")]
         return [(n, "multi_query", chunks.as_extra()) for n in names], tuple(a for a in heads if a not in kept) + groups, checks
 
     def _width_attrs(self, owner: str, out: str) -> tuple[str, ...]:

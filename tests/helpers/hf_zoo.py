@@ -116,6 +116,9 @@ _VARIANTS = {
     # Falcon-7B's layout (the config's defaults): multi-query [4 query heads + key + value, head_dim]
     "falcon-mqa": ("falcon", dict(new_decoder_architecture=False, multi_query=True, num_attention_heads=4,
                                   num_kv_heads=None)),
+    # multi-query with separate projections and a declared plan (Gemma-2B: one key/value head)
+    "llama-mqa": ("llama", dict(num_key_value_heads=1)),
+    "gemma-mqa": ("gemma", dict(num_key_value_heads=1)),
 }
 #: encoders used for token-level tasks (tok, qa, mc) with the encoder base
 TASK_ENCODERS = ("bert",)

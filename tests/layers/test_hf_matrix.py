@@ -61,11 +61,13 @@ REFUSED_PP2 = {
     "jamba:lm": "pass pipeline_layers='model.model.layers'",  # Mamba and attention layers: different classes
     "generic.xlm:lm": "spread over parallel lists",
 }
-#: packed q|k|v variants trained at tp=2 only (their blocks cut at pp like the defaults'): GPT-BigCode with a
-#: key/value head per query head ([heads, q|k|v]), Falcon-7B's multi-query layout ([q heads + k + v, head_dim])
-PACKED_QKV_TP2 = {"gpt_bigcode-mha:lm": "structural:", "falcon-mqa:lm": "structural:"}
+#: key/value layouts trained at tp=2 only (their blocks cut at pp like the defaults'): GPT-BigCode with a
+#: key/value head per query head ([heads, q|k|v]), Falcon-7B's multi-query layout ([q heads + k + v, head_dim]),
+#: Llama and Gemma with one key/value head (Gemma-2B: the declared colwise k_proj/v_proj stay whole, kv_whole)
+KV_LAYOUTS_TP2 = {"gpt_bigcode-mha:lm": "structural:", "falcon-mqa:lm": "structural:", "llama-mqa:lm": "declared:",
+                  "gemma-mqa:lm": "declared:"}
 #: trained at tp=2 only (Jamba and XLM are refused at pp=2): model -> plan source
-TP2_ONLY = {"jamba:lm": "declared:", **SWEPT_TP2_ONLY, **PACKED_QKV_TP2}
+TP2_ONLY = {"jamba:lm": "declared:", **SWEPT_TP2_ONLY, **KV_LAYOUTS_TP2}
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "hf_matrix.py"
 MODELS = (
     [f"{a}:lm" for a in DECLARED_DECODERS + BUILTIN_DECODERS + STRUCTURAL_DECODERS]

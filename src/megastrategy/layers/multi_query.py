@@ -10,7 +10,9 @@ state and exports unchanged); its forward reads rank r's rows ``[q_r | k | v]`` 
 identity whose backward sums the gradient over TP. A query row's gradient then comes from its one
 rank, and a key/value row's is the sum of every rank's partial gradient (each rank's query heads
 attend to the shared keys), which is the full model's gradient, so the replicas stay identical,
-as :mod:`megastrategy.layers.grad_sum` keeps them. The input's gradient is summed over TP, as a
+as :mod:`megastrategy.layers.grad_sum` keeps them. A multi-query attention with separate
+projections (a declared ``colwise`` ``k_proj``/``v_proj`` of one head: Gemma-2B) keeps each key/value
+projection whole the same way (``kv_whole``, :mod:`megastrategy.layers.hf_declared`). The input's gradient is summed over TP, as a
 column-parallel layer's is; with sequence parallelism the input is gathered along the sequence as a
 column-parallel layer gathers it (``sequence_parallel``, ``input_copy``: set by
 :mod:`megastrategy.layers.sequence_parallel`).
@@ -87,19 +89,21 @@ def read_packed_qkv(op: str, width: int, parts: list[int], heads: set[int]) -> M
     return None
 
 
-def _rows(t: Tensor, dim: int, q: tuple[int, int], kv: tuple[int, int]) -> Tensor:
-    return torch.cat([t.narrow(dim, *q), t.narrow(dim, *kv)], dim=dim)
+def _rows(t: Tensor, dim: int, segments: tuple[tuple[int, int], ...]) -> Tensor:
+    return torch.cat([t.narrow(dim, *seg) for seg in segments], dim=dim)
 
 
 class MultiQueryPackedLinear(nn.Module):
     """The user's packed projection (``nn.Linear``, or Hugging Face ``Conv1D`` stored ``[in, out]``)
-    computing this rank's ``[q_r | k | v]``; its Parameters are the user's own, whole."""
+    computing this rank's ``[q_r | k | v]``; its Parameters are the user's own, whole. With
+    ``layout=None`` it is a key/value projection of its own (``k_proj`` of a multi-query attention
+    whose q/k/v are separate layers): every rank computes all its rows."""
 
-    def __init__(self, layer: nn.Module, layout: MultiQueryLayout, group) -> None:
+    def __init__(self, layer: nn.Module, layout: MultiQueryLayout | None, group) -> None:
         super().__init__()
         self.transposed = is_conv1d(layer)
         out_features = layer.weight.shape[1 if self.transposed else 0]
-        if out_features != layout.out_features:
+        if layout is not None and out_features != layout.out_features:
             raise MegatronConfigError(
                 f"a multi-query projection with {layout.q_heads} query and {layout.kv_heads} key/value heads of "
                 f"size {layout.head_dim} has {layout.out_features} outputs, but this layer has {out_features}."
@@ -109,7 +113,7 @@ class MultiQueryPackedLinear(nn.Module):
         self.layout = layout
         self._group_ref = ProcessGroupRef(group)
         self.tp_rank, self.tp_size = group_rank(group), group_world_size(group)
-        self._q, self._kv = layout.local_rows(self.tp_rank, self.tp_size)
+        self._segments = ((0, out_features),) if layout is None else layout.local_rows(self.tp_rank, self.tp_size)
         self.input_copy: Any = None
         self.sequence_parallel, self.sequence_dim = False, 0
 
@@ -119,11 +123,13 @@ class MultiQueryPackedLinear(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         x = column_parallel_input(self, x)
-        weight = _rows(copy_to_tensor_parallel_region(self.weight, self.group), 1 if self.transposed else 0, self._q, self._kv)
-        bias = None if self.bias is None else _rows(copy_to_tensor_parallel_region(self.bias, self.group), 0, self._q, self._kv)
+        weight = _rows(copy_to_tensor_parallel_region(self.weight, self.group), 1 if self.transposed else 0, self._segments)
+        bias = None if self.bias is None else _rows(copy_to_tensor_parallel_region(self.bias, self.group), 0, self._segments)
         return F.linear(x, weight.t() if self.transposed else weight, bias)
 
     def extra_repr(self) -> str:
         lay = self.layout
+        if lay is None:
+            return f"key/value rows whole on every rank, tp={self.tp_size}, rank={self.tp_rank}"
         return (f"q_heads={lay.q_heads} (local {lay.q_heads // self.tp_size}), kv_heads={lay.kv_heads} (whole), "
                 f"head_dim={lay.head_dim}, tp={self.tp_size}, rank={self.tp_rank}")

@@ -167,6 +167,7 @@ class _ShardedLayerBuilder:
             "head_bias_input": self._head_bias_input,
             "head_vector": self._head_vector,
             "multi_query": self._multi_query,
+            "kv_whole": self._kv_whole,
         }.get(e.style)
         if build is None:
             raise AssertionError(e.style)
@@ -255,6 +256,11 @@ class _ShardedLayerBuilder:
 
         layout = MultiQueryLayout(int(e.extra["q_heads"]), int(e.extra["kv_heads"]), int(e.extra["head_dim"]))
         return MultiQueryPackedLinear(m, layout, self.group)
+
+    def _kv_whole(self, e: PlanEntry, m: nn.Module) -> nn.Module:
+        from megastrategy.layers.multi_query import MultiQueryPackedLinear
+
+        return MultiQueryPackedLinear(m, None, self.group)
 
 
 def _hook_rng_regions(

@@ -53,6 +53,19 @@ def test_multi_query_models_split_query_heads_and_keep_key_value_counts(arch, ov
         resolve_tp_plan(tiny_model(arch, **overrides), None, 8)
 
 
+def test_a_users_column_on_a_multi_query_layer_keeps_the_key_value_head_whole():
+    """tp_plan without 'auto': 'column' on a layer detection reads as multi-query splits its query heads
+    the detected way (a plain column split would cut the one key/value head in half)."""
+    plan = resolve_tp_plan(tiny_model("gpt_bigcode"), {"transformer.h.*.attn.c_attn": "column",
+                                                      "transformer.h.*.attn.c_proj": "row"}, 2)
+    assert plan["transformer.h.0.attn.c_attn"].style == "multi_query"
+    assert plan["transformer.h.0.attn.c_attn"].source == "tp_plan['transformer.h.*.attn.c_attn']"
+    assert plan["transformer.h.0.mlp.c_fc"].style == "replicate"  # used as given: only what it names
+    plan = resolve_tp_plan(tiny_model("llama", num_key_value_heads=1), {
+        "model.layers.*.self_attn.[qkv]_proj": "column", "model.layers.*.self_attn.o_proj": "row"}, 2)
+    assert [plan[f"model.layers.0.self_attn.{p}_proj"].style for p in "qkv"] == ["column", "kv_whole", "kv_whole"]
+
+
 def test_gpt_bigcode_with_a_key_value_head_per_query_head_is_a_plain_column():
     plan = resolve_tp_plan(tiny_model("gpt_bigcode", multi_query=False), None, 2)  # view [heads, 3 * head_dim]
     assert _styles(plan)["transformer.h.0.attn.c_attn"][0] == "column"

@@ -140,9 +140,14 @@ def _lora_entries(n: str, m: nn.Module, style: str, glob: str, source: str) -> D
     return {name: DraftEntry(member_style, source) for name, member_style, _ in lora_members(n, m, style, {})}
 
 
+#: detected styles that are a way of splitting a layer's query heads: a user's ``column`` on such a layer
+#: keeps them (the key/value heads of a multi-query projection stay whole, :mod:`megastrategy.layers.multi_query`)
+_COLUMN_WAYS = ("multi_query", "kv_whole")
+
+
 def _explicit_entry(n: str, m: nn.Module, style: str, glob: str, source: str, hit: Any) -> DraftEntry:
     """A user-given sharding style; where it agrees with a recognized block, keep the block's
-    knowledge of how (packed QKV, fix-ups, RNG regions)."""
+    knowledge of how (packed QKV, multi-query, fix-ups, RNG regions)."""
     if not style_fits(style, m):
         raise MegatronConfigError(
             f"tp_plan[{glob!r}]={style!r} matches {n!r} (type {type_name(m)}): style {style!r} "
@@ -150,9 +155,9 @@ def _explicit_entry(n: str, m: nn.Module, style: str, glob: str, source: str, hi
         )
     if style == "column" and isinstance(m, nn.Dropout):
         style = "dropout"
-    if hit is not None and hit[1] == style:
-        unit, _, bextra = hit
-        return DraftEntry.builtin(style, source, unit, bextra)
+    if hit is not None and (hit[1] == style or style == "column" and hit[1] in _COLUMN_WAYS):
+        unit, bstyle, bextra = hit
+        return DraftEntry.builtin(bstyle, source, unit, bextra)
     return DraftEntry(style, source)
 
 

@@ -109,7 +109,17 @@ _OWN_CONFIGS = {
 # DeiT maps to two image classifiers: transformers picks by ``architectures`` (None fails)
 _OWN_CONFIGS["deit"] = dict(_OWN_CONFIGS["vit"], architectures=["DeiTForImageClassification"])
 #: one architecture, another setting: name -> (architecture, overrides)
-_VARIANTS = {"llama-tied": ("llama", dict(tie_word_embeddings=True))}
+_VARIANTS = {
+    "llama-tied": ("llama", dict(tie_word_embeddings=True)),
+    # packed q|k|v with every head its own key/value head ([heads, q|k|v, head_dim]), beside the default multi-query
+    "gpt_bigcode-mha": ("gpt_bigcode", dict(multi_query=False)),
+    # Falcon-7B's layout (the config's defaults): multi-query [4 query heads + key + value, head_dim]
+    "falcon-mqa": ("falcon", dict(new_decoder_architecture=False, multi_query=True, num_attention_heads=4,
+                                  num_kv_heads=None)),
+    # multi-query with separate projections and a declared plan (Gemma-2B: one key/value head)
+    "llama-mqa": ("llama", dict(num_key_value_heads=1)),
+    "gemma-mqa": ("gemma", dict(num_key_value_heads=1)),
+}
 #: encoders used for token-level tasks (tok, qa, mc) with the encoder base
 TASK_ENCODERS = ("bert",)
 #: task -> the Auto class beyond lm/cls (tests/scripts/hf_matrix.py builds their batches)

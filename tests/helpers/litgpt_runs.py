@@ -30,9 +30,9 @@ def tiny_litgpt(groups: int, variant: str = "llama"):
                       padded_vocab_size=128, intermediate_size=64, **VARIANTS[variant]))
 
 
-#: the reference trains a multi-head (4 groups) and a grouped-query (2 groups) model side by side,
-#: so the tp and pp comparisons share its one launch whatever layouts they check
-REFERENCE_GROUPS = "4,2"
+#: the reference trains a multi-head (4 groups), a grouped-query (2 groups) and a multi-query (1 group)
+#: model side by side, so the tp and pp comparisons share its one launch whatever layouts they check
+REFERENCE_GROUPS = "4,2,1"
 
 
 @lru_cache(maxsize=None)

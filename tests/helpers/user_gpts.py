@@ -203,7 +203,14 @@ class HandLlama(nn.Module):
         return logits, _loss(logits, targets)
 
 
-MODELS = {"nanogpt": NanoGPT, "mingpt": MinGPT, "llama": HandLlama}
+def _fused_qkv(n_kv_heads: int):
+    from tests.helpers.user_mqa_gpt import FusedQKVGPT
+
+    return lambda: FusedQKVGPT(n_kv_heads)
+
+
+#: ``fused-mqa``/``fused-gqa``: one fused ``qkv`` with 1 or 2 key/value heads (tests/helpers/user_mqa_gpt.py)
+MODELS = {"nanogpt": NanoGPT, "mingpt": MinGPT, "llama": HandLlama, "fused-mqa": _fused_qkv(1), "fused-gqa": _fused_qkv(2)}
 
 
 def build(name: str) -> nn.Module:

@@ -58,6 +58,19 @@ def test_heads_must_divide_tp_including_gqa():
         resolve_tp_plan(model, None, 4)
 
 
+@pytest.mark.parametrize("arch", ["llama", "gemma"])
+def test_one_key_value_head_keeps_the_declared_k_v_projections_whole(arch):
+    """Multi-query (Gemma-2B): a one-head k_proj/v_proj cannot be split; each rank computes it whole
+    (kv_whole) while the query heads are split as declared, and the query groups are divided."""
+    plan = resolve_tp_plan(tiny_model(arch, num_key_value_heads=1), None, 2)
+    attn = "model.layers.0.self_attn"
+    styles = {n.rsplit(".", 1)[-1]: plan[f"{attn}.{n}"].style for n in ("q_proj", "k_proj", "v_proj", "o_proj")}
+    assert styles == {"q_proj": "column", "k_proj": "kv_whole", "v_proj": "kv_whole", "o_proj": "row"}
+    assert {(f.attr, f.old, f.new) for f in plan.fixups if f.module == attn} == {("num_key_value_groups", 4, 2)}
+    with pytest.raises(MegatronConfigError, match=r"num_attention_heads=4 .*use tp in \{1, 2, 4\}"):
+        resolve_tp_plan(tiny_model(arch, num_key_value_heads=1), None, 8)
+
+
 def test_untranslatable_style_is_refused_by_name():
     model = tiny_model("llama")
     model._tp_plan = dict(model._tp_plan, **{"model.layers.*.mlp": "moe_tp_experts"})

@@ -30,6 +30,8 @@ MORE = {
     "bert:tok": "auto:", "bert:qa": "auto:", "bert:mc": "auto:",
     "mpt:lm": "structural:",  # ALiBi [heads, q, k] handed to every block: each rank reads its heads
     "bloom:lm": "structural:",  # ALiBi [batch * heads, 1, k], likewise
+    # multi-query c_attn split into (embed_dim, kv_dim, kv_dim): query heads split, the key/value head whole
+    "gpt_bigcode:lm": "structural:",
 }
 #: 2025-2026 decoders, trained at tp2 and pp2 like MORE (they declare plans): DeepSeek-V3 (latent attention,
 #: shared experts, a dense first layer), GPT-OSS (sinks, sliding/full layers: at pp each stage must use its
@@ -51,7 +53,6 @@ MORE.update({"generic.llama4_text:lm": "declared:", "generic.gemma3:lm": "declar
 SWEPT_TP2_ONLY = {"generic.xlm:lm": "structural:"}
 #: refused in setup at tp=2 (the launch goes on): model -> what the message must say
 REFUSED_TP2 = {
-    "gpt_bigcode:lm": "cannot tell how the packed projection",  # multi-query packing
     "mamba2:lm": "cannot tell how the packed projection",  # in_proj packs z, x|B|C and dt
 }
 #: refused in setup at pp=2
@@ -60,8 +61,13 @@ REFUSED_PP2 = {
     "jamba:lm": "pass pipeline_layers='model.model.layers'",  # Mamba and attention layers: different classes
     "generic.xlm:lm": "spread over parallel lists",
 }
-#: refused at pp=2, trained at tp=2: model -> plan source
-TP2_ONLY = {"jamba:lm": "declared:", **SWEPT_TP2_ONLY}
+#: key/value layouts trained at tp=2 only (their blocks cut at pp like the defaults'): GPT-BigCode with a
+#: key/value head per query head ([heads, q|k|v]), Falcon-7B's multi-query layout ([q heads + k + v, head_dim]),
+#: Llama and Gemma with one key/value head (Gemma-2B: the declared colwise k_proj/v_proj stay whole, kv_whole)
+KV_LAYOUTS_TP2 = {"gpt_bigcode-mha:lm": "structural:", "falcon-mqa:lm": "structural:", "llama-mqa:lm": "declared:",
+                  "gemma-mqa:lm": "declared:"}
+#: trained at tp=2 only (Jamba and XLM are refused at pp=2): model -> plan source
+TP2_ONLY = {"jamba:lm": "declared:", **SWEPT_TP2_ONLY, **KV_LAYOUTS_TP2}
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "hf_matrix.py"
 MODELS = (
     [f"{a}:lm" for a in DECLARED_DECODERS + BUILTIN_DECODERS + STRUCTURAL_DECODERS]
@@ -71,7 +77,7 @@ MODELS = (
     + ["whisper:asr", "swin:img"] + list(MORE) + list(TP2_ONLY)
 )
 #: refused at tp=2, trained at pp=2: model -> plan source (computed at tp=1 too; "" for none: Mamba2 has no plan)
-PP2_ONLY = {"gpt_bigcode:lm": "structural:", "mamba2:lm": ""}
+PP2_ONLY = {"mamba2:lm": ""}
 PP2_MODELS = list(MORE) + list(PP2_ONLY)
 TOL = 2e-4
 

@@ -39,19 +39,27 @@ def test_grouped_query_attention_is_split_in_unequal_sections_each_rank_its_own_
 
 
 def test_key_value_groups_tp_does_not_divide_are_refused_naming_the_replicate_plan():
-    with pytest.raises(MegatronConfigError) as e:
-        resolve_tp_plan(tiny_litgpt(groups=1), None, 2)
+    with pytest.raises(MegatronConfigError) as e:  # 2 groups at tp4: a rank's 1 query head, half a group
+        resolve_tp_plan(tiny_litgpt(groups=2), None, 4)
     message = str(e.value)
-    assert "config.n_query_groups=1 of transformer.h.0.attn" in message and "use tp in {1}" in message
+    assert "config.n_query_groups=2 of transformer.h.0.attn" in message and "use tp in {1, 2}" in message
     assert "'transformer.h.*.attn': 'replicate'" in message
-    plan = resolve_tp_plan(tiny_litgpt(groups=1), {"*": "auto", "transformer.h.*.attn": "replicate"}, 2)
+    plan = resolve_tp_plan(tiny_litgpt(groups=2), {"*": "auto", "transformer.h.*.attn": "replicate"}, 4)
     sharded = {e.name for e in plan.entries if e.style != "replicate"}
     assert "transformer.h.0.mlp.fc_1" in sharded and "transformer.h.0.attn.qkv" not in sharded
 
 
+def test_multi_query_splits_the_query_heads_and_keeps_the_key_value_head_whole():
+    plan = resolve_tp_plan(tiny_litgpt(groups=1), None, 2)
+    qkv = plan["transformer.h.0.attn.qkv"]
+    assert qkv.style == "multi_query" and (qkv.extra["q_heads"], qkv.extra["kv_heads"], qkv.extra["head_dim"]) == (4, 1, 8)
+    fixed = {f.attr: (f.old, f.new) for f in plan.fixups if f.module == "transformer.h.0.attn"}
+    assert fixed == {"config.n_head": (4, 2)}  # n_query_groups stays 1: forward repeats the one head locally
+
+
 @pytest.mark.timeout(500)
-def test_litgpt_multi_head_and_grouped_query_train_like_one_device_tp2():
-    assert_litgpt_matches_ddp("--tp", "2", groups="4,2")
+def test_litgpt_multi_head_grouped_and_multi_query_train_like_one_device_tp2():
+    assert_litgpt_matches_ddp("--tp", "2", groups="4,2,1")
 
 
 @pytest.mark.parametrize("groups, packing", [(4, 3), (2, (32, 16, 16))])

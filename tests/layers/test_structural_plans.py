@@ -104,16 +104,15 @@ def test_equal_chunk_split_is_read_as_packed_chunks():
 
     split = FirstUse("split", (2, 8, 96), ((2, 8, 32),) * 3)
     assert _packing(split, {4}) == 3
-    assert "unequal" in _packing(FirstUse("split", (2, 8, 48), ((2, 8, 32), (2, 8, 8), (2, 8, 8))), {4, 1})
+    assert "unequal" in _packing(FirstUse("split", (2, 8, 46), ((2, 8, 32), (2, 8, 8), (2, 8, 6))), {4, 1})
+    # [q | k | v] with one key/value head: multi-query (tests/layers/test_multi_query.py)
+    assert _packing(FirstUse("split", (2, 8, 48), ((2, 8, 32), (2, 8, 8), (2, 8, 8))), {4, 1}).kv_heads == 1
     assert _packing(FirstUse("view", (2, 8, 96), ((2, 8, 3, 4, 8),)), {4}) == 3  # [q|k|v, heads, dim]
 
 
 @pytest.mark.parametrize(
     "overrides, reason",
     [
-        # multi-query: [4 query heads + 1 key + 1 value] viewed as [6, 8]; one k/v head cannot be split
-        (dict(new_decoder_architecture=False, multi_query=True, num_attention_heads=4),
-         "first applies view to its output, giving shapes [(2, 8, 6, 8)]"),
         # 4 heads in 2 groups viewed as [2, 4, 8]: 2 groups of (2 q + k + v), or [k|v] chunks of 4 heads?
         (dict(num_attention_heads=4, num_kv_heads=2), "leave two readings"),
     ],
@@ -145,7 +144,7 @@ def test_megastrategy_plan_traces_a_meta_device_model():
     report = report_for("persimmon", 2)  # Persimmon-8B's default config, never materialized
     assert "model.layers.*.self_attn.query_key_value  column" in report
     assert "model.layers.*.self_attn.q_layernorm      grad_sum" in report and "(50.0%)" in report
-    with pytest.raises(MegatronConfigError, match="Falcon|query_key_value"):  # default: multi-query
+    with pytest.raises(MegatronConfigError, match="num_heads=71"):  # Falcon-7B: multi-query, 71 query heads
         report_for("falcon", 2)
     t5 = report_for("t5", 2, task="s2s")  # t5-small's default config, an encoder-decoder
     assert "encoder.block.*.layer.*.SelfAttention.relative_attention_bias  head_table" in t5
@@ -157,10 +156,12 @@ def _verify(rank, world):
 
     out = {}
     cases = {"falcon": {}, "persimmon": {}, "bart": {}, "falcon_alibi": dict(alibi=True), "t5": {},
-             "t5_gated": dict(feed_forward_proj="gated-gelu")}
+             "t5_gated": dict(feed_forward_proj="gated-gelu"), "gpt_bigcode": {}, "falcon_mqa": dict(
+                 new_decoder_architecture=False, multi_query=True, num_attention_heads=4, num_kv_heads=None)}
     for name, overrides in cases.items():
+        arch = name if name == "gpt_bigcode" else name.split("_")[0]
         try:
-            out[name] = ("ok", _shard_and_verify(tiny_model(name.split("_")[0], **overrides), None, rank))
+            out[name] = ("ok", _shard_and_verify(tiny_model(arch, **overrides), None, rank))
         except MegatronConfigError as e:
             out[name] = ("refused", str(e))
     return out
@@ -184,3 +185,6 @@ def test_structural_blocks_are_verified_and_a_wrong_reading_is_refused_tp2():
     assert res["t5"][0] == "ok"
     assert {"encoder.block.0.layer.0.SelfAttention", "encoder.block.1.layer.0.SelfAttention"} <= set(res["t5"][1][0])
     assert res["t5_gated"][0] == "ok" and "encoder.block.0.layer.1.DenseReluDense" in res["t5_gated"][1][0]
+    # multi-query: the query heads split, the key/value head whole on each rank (gradient summed over tp)
+    assert res["gpt_bigcode"] == ("ok", (["transformer.h.0.attn", "transformer.h.0.mlp"], 14944, 14944))
+    assert res["falcon_mqa"][0] == "ok" and res["falcon_mqa"][1][0][0] == "transformer.h.0.self_attention"

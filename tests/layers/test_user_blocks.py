@@ -14,7 +14,7 @@ from pathlib import Path
 from tests.helpers.launch import run_script
 
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "user_blocks.py"
-MODELS = ("nanogpt", "mingpt", "llama")
+MODELS = ("nanogpt", "mingpt", "llama", "fused-mqa", "fused-gqa")
 TOL = 2e-4
 
 
@@ -45,6 +45,11 @@ def test_tp2_matches_one_device_on_hand_written_transformers():
     assert _styles(llama, "attention.wq") == {"column"} and _styles(llama, "attention.wo") == {"row"}
     assert _styles(llama, "feed_forward.w3") == {"column"} and _styles(llama, "feed_forward.w2") == {"row"}
     assert tp2["llama"]["warnings"] == []
+    # one fused qkv: multi-query (query heads split, the key/value head whole on every rank) and grouped-query
+    assert _styles(tp2["fused-mqa"]["plan"], "attn.qkv") == {"multi_query"}
+    assert _styles(tp2["fused-gqa"]["plan"], "attn.qkv") == {"column"}
+    for model in ("fused-mqa", "fused-gqa"):
+        assert _styles(tp2[model]["plan"], "attn.proj") == {"row"} and tp2[model]["warnings"] == [], model
     for model, (emb, head) in {"nanogpt": ("transformer.wte", "lm_head"), "mingpt": ("tok_emb", "head"),
                                "llama": ("tok_embeddings", "output")}.items():
         assert tp2[model]["plan"][f"model.{emb}"] == tp2[model]["plan"][f"model.{head}"] == "vocab", model

@@ -4,7 +4,7 @@ the per-step training losses, the validation loss and the plan's sources to ``--
 Each model sits in an ordinary LightningModule whose ``forward`` passes ``labels=`` so the loss
 is computed inside the Hugging Face model. Launched by tests/helpers/launch.py:
 ``--strategy ddp`` on one process (the one-device reference) or ``--strategy megatron --tp 2``
-(or ``--pp 2``, ``--cp 2``, ``--activation-checkpointing full``; or ``--ep 2`` for MoE models, against DDP on the same two processes). Inputs follow the task (tokens, pixels, a waveform, mel features).
+(or ``--pp 2``, ``--cp 2``, ``--activation-checkpointing full``, ``--sequence-parallel``; or ``--ep 2`` for MoE models, against DDP on the same two processes). Inputs follow the task (tokens, pixels, a waveform, mel features).
 A model the strategy refuses (a clear ``MegatronConfigError`` on every rank in setup) is
 recorded with its message and the launch goes on with the next model.
 """
@@ -147,7 +147,7 @@ def _tensor_parallel_type():
 
 def train_one(arch: str, task: str, strategy_name: str, tp: int, pp: int, world_size: int,
               keep_going: bool = False, ep: int = 1, find_unused: bool = False, cp: int = 1,
-              activation_checkpointing=None) -> dict:
+              activation_checkpointing=None, sequence_parallel=False) -> dict:
     from megastrategy.errors import MegatronConfigError
 
     L.seed_everything(0, verbose=False)
@@ -158,7 +158,7 @@ def train_one(arch: str, task: str, strategy_name: str, tp: int, pp: int, world_
         from megastrategy import MegatronStrategy
 
         strategy = MegatronStrategy(tp=tp, pp=pp, cp=cp, activation_checkpointing=activation_checkpointing,
-                                    **({"ep": ep, "etp": 1} if ep > 1 else {}))
+                                    sequence_parallel=sequence_parallel, **({"ep": ep, "etp": 1} if ep > 1 else {}))
     rec = Recorder()
     trainer = L.Trainer(
         accelerator="cpu", devices=world_size, strategy=strategy, max_epochs=1,
@@ -185,6 +185,7 @@ def main() -> None:
     p.add_argument("--ep", type=int, default=1)
     p.add_argument("--cp", type=int, default=1, help=f"context parallel; SEQ={SEQ} must divide by 2*cp (balanced layout)")
     p.add_argument("--activation-checkpointing", choices=["full", "selective"], default=None)
+    p.add_argument("--sequence-parallel", action="store_true", help="with --tp > 1")
     p.add_argument("--keep-going", action="store_true", help="record any exception and go on (probing)")
     p.add_argument("--find-unused", action="store_true",
                    help="DDP reference: allow parameters the loss does not use (a decoder's cross-attention, a vision tower)")
@@ -199,7 +200,7 @@ def main() -> None:
         arch, task = item.split(":")
         os.environ.update(env)  # Lightning's teardown removes the launcher's variables
         results[item] = train_one(arch, task, args.strategy, args.tp, args.pp, world_size, args.keep_going, args.ep,
-                                 args.find_unused, args.cp, args.activation_checkpointing)
+                                 args.find_unused, args.cp, args.activation_checkpointing, args.sequence_parallel)
         if rank == 0 and args.keep_going:  # what is done so far, should a later model stop the launch
             Path(args.out).write_text(json.dumps(results, indent=1))
     if rank == 0:

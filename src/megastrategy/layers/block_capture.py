@@ -32,7 +32,7 @@ from megastrategy.rank_zero import log_on_rank_zero
 __all__ = ["SEED", "CapturedBlock", "sharded_blocks", "capture_blocks"]
 
 #: entry styles that live inside a block (vocab layers are the project's own exact layers)
-_BLOCK_STYLES = ("column", "row", "grad_sum", "dropout", "attention", "head_table", "head_vector")
+_BLOCK_STYLES = ("column", "row", "grad_sum", "dropout", "attention", "head_table", "head_vector", "multi_query", "kv_whole")
 _log = logging.getLogger(__name__)
 #: key/value caches: a block must not see (or extend) the capture run's cache
 _CACHE_KWARGS = ("past_key_values", "past_key_value", "layer_past", "cache_params")
@@ -49,7 +49,7 @@ class CapturedBlock:
 
 
 def _opens(e: PlanEntry) -> bool:
-    return e.style == "column" and not e.extra.get("gather_output")
+    return e.style == "multi_query" or e.style == "column" and not e.extra.get("gather_output")
 
 
 def _closes(e: PlanEntry) -> bool:

@@ -8,7 +8,8 @@ tags every tensor with the set of watched modules it was computed from: a cuttin
 inputs' tags. A watched module's input tags then name the nearest watched layers upstream.
 
 Also recorded: the first op that consumes each watched module's output (how the forward cuts
-a packed QKV projection: a ``view`` into heads, a ``split`` into equal chunks, ...), and the
+a packed QKV projection: a ``view`` into heads, a ``split`` into equal chunks, ...; an ``unsqueeze``
+first is seen through, as GPT-BigCode's ``c_attn(x).unsqueeze(1).split(...)``), and the
 identity of each watched module's input tensor (layers fed the very same tensor).
 """
 from __future__ import annotations
@@ -27,6 +28,8 @@ __all__ = ["FirstUse", "DataFlow", "trace_dataflow", "run_under"]
 #: value; the mask code asks "is every token unpadded?", which for random ids without padding is
 #: True. Any other data-dependent read on meta still raises (and nothing is detected)
 _READS = (torch.Tensor.item, torch.Tensor.__bool__)
+#: ops that only add a unit dimension: the first use recorded is the op applied after them
+_SEEN_THROUGH = ("unsqueeze",)
 
 
 @dataclass(frozen=True)
@@ -91,6 +94,9 @@ class _TagMode(TorchFunctionMode):
                 if not shapes:  # .shape, .size(), .dim(): reading metadata is no use
                     continue
                 op = getattr(func, "__name__", str(func))
+                if op in _SEEN_THROUGH and isinstance(result, torch.Tensor):
+                    self.outputs.setdefault(id(result), name)  # (the tag keeps ``result`` alive)
+                    continue
                 self.flow.first_use[name] = FirstUse(op, tuple(leaf.shape), shapes)
 
 

@@ -25,6 +25,11 @@ model's output embeddings
 ``replicate``                      left alone
 =================================  =====================================================
 
+A declared attention with one key/value head (multi-query: ``num_key_value_heads=1``, Gemma-2B) cannot
+split its ``colwise`` ``k_proj``/``v_proj`` (one head): they become ``kv_whole``, computed whole on every
+rank with their gradients summed over TP (:mod:`megastrategy.layers.multi_query`), the query heads split
+as declared; ``num_key_value_groups`` is divided with the query heads.
+
 Every other style (MoE experts, MLA, ``local_params``, ``embedding_colwise``, ...) is
 *refused*: the module is listed in :attr:`DeclaredPlan.refused` and the plan resolution
 raises at ``tp > 1`` unless the user's ``tp_plan`` decides for that module.
@@ -162,25 +167,49 @@ class _Translator:
         owner_mod = self._mod(owner)
         dropout = getattr(owner_mod, "attention_dropout", None)
         has_dropout_p = isinstance(dropout, (int, float)) and not isinstance(dropout, bool)
+        attention = splits_heads and _is_attention(owner_mod, kind)
+        checks = self._head_checks(owner) if attention else []
+        divide = HEAD_ATTRS if splits_heads else ()
+        whole_kv = self._whole_kv_projections(owner_mod, members) if attention else set()
+        if whole_kv:
+            members = [(n, "kv_whole" if n in whole_kv else st, {} if n in whole_kv else e) for n, st, e in members]
+            checks = [c for c in checks if c.attr != "config.num_key_value_heads"]
+            divide = tuple(a for a in HEAD_ATTRS if getattr(owner_mod, a, None) != 1) + ("num_key_value_groups",)
         return BuiltinUnit(
             arch=self.arch,
             kind=kind,
             owner=owner,
             members=members,
-            divide_attrs=HEAD_ATTRS if splits_heads else (),
-            checks=self._head_checks(owner) if splits_heads and _is_attention(owner_mod, kind) else [],
+            divide_attrs=divide,
+            checks=checks,
             rng_region=(None, "attention_dropout") if splits_heads and has_dropout_p else None,
             origin="declared",
         )
+
+    def _whole_kv_projections(self, owner_mod: nn.Module, members: list[tuple[str, str, dict[str, Any]]]) -> set[str]:
+        """The column members of a multi-query attention that hold its one key/value head (their output is
+        one head wide); empty unless the config has one key/value head and several query heads, or when a
+        member is a LoRA part (its adapter would have to follow)."""
+        config = self._text_config()
+        heads, kv_heads = getattr(config, "num_attention_heads", None), getattr(config, "num_key_value_heads", None)
+        head_dim = getattr(owner_mod, "head_dim", None)
+        if kv_heads != 1 or not isinstance(heads, int) or heads < 2 or not isinstance(head_dim, int):
+            return set()
+        if any(".lora_" in n or n.endswith(".base_layer") for n, _, _ in members):
+            return set()
+        return {n for n, st, e in members if st == "column" and not e and getattr(self._mod(n), "out_features", None) == head_dim}
+
+    def _text_config(self) -> Any:
+        config = getattr(self.root, "config", None)
+        get_text = getattr(config, "get_text_config", None)
+        return get_text() if callable(get_text) else config
 
     def _mod(self, name: str) -> nn.Module:
         local = name[len(self.root_name) + 1:] if self.root_name else name
         return self.modules[local] if local else self.root
 
     def _head_checks(self, owner: str) -> list[SizeCheck]:
-        config = getattr(self.root, "config", None)
-        get_text = getattr(config, "get_text_config", None)
-        config = get_text() if callable(get_text) else config
+        config = self._text_config()
         checks = []
         for attr in ("num_attention_heads", "num_key_value_heads"):
             value = getattr(config, attr, None)

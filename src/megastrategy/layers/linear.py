@@ -35,7 +35,7 @@ from megastrategy.layers.mappings import (
 )
 from megastrategy.layers.shard_spec import ShardSpec, set_shard_spec, shard_full_tensor
 
-__all__ = ["ColumnParallelLinear", "RowParallelLinear", "init_linear_full"]
+__all__ = ["ColumnParallelLinear", "RowParallelLinear", "init_linear_full", "column_parallel_input"]
 
 
 def init_linear_full(
@@ -84,6 +84,17 @@ def _check_packing(out_features: int, chunks: int, sections: tuple[int, ...], tp
         out_features // chunks, tp, "the output size of a column-parallel layer",
     )
     return chunks
+
+
+def column_parallel_input(layer: nn.Module, x: Tensor) -> Tensor:
+    """The input of a layer whose outputs are split over TP, replicated on every rank (its gradient summed
+    over TP in backward): through ``layer.input_copy`` when layers fed one tensor share it, gathered along
+    the sequence under sequence parallelism, else the identity/all-reduce copy."""
+    if layer.input_copy is not None:
+        return layer.input_copy(x)
+    if layer.sequence_parallel:
+        return gather_from_sequence_parallel_region(x, layer.group, layer.sequence_dim)
+    return copy_to_tensor_parallel_region(x, layer.group)
 
 
 def _requires_grad(t: Tensor | None) -> bool:
@@ -225,12 +236,7 @@ class ColumnParallelLinear(nn.Module):
         return t
 
     def forward(self, x: Tensor):
-        if self.input_copy is not None:
-            x = self.input_copy(x)
-        elif self.sequence_parallel:
-            x = gather_from_sequence_parallel_region(x, self.group, self.sequence_dim)
-        else:
-            x = copy_to_tensor_parallel_region(x, self.group)
+        x = column_parallel_input(self, x)
         add_bias = self.bias is not None and not self.skip_bias_add
         out = F.linear(x, self.weight, self.bias if add_bias else None)
         if self.gather_output:

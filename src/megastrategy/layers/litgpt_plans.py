@@ -10,8 +10,11 @@ groups (GQA, MQA) it is column-parallel in 3 packed sections of unequal sizes
 key and value heads, which are exactly the groups its query heads read). Either way the attention
 gets its own config copy with the local head counts (``config.n_head`` and
 ``config.n_query_groups`` as dotted fix-ups, :mod:`megastrategy.layers.plan.dotted_attrs`).
-When ``tp`` does not divide ``n_query_groups`` (e.g. MQA) a rank's query heads would need key
-heads of another rank: the size check refuses, naming the plan that replicates the attention.
+With one group (multi-query) the query heads are split and every rank computes the one key/value
+head whole (``multi_query``, :mod:`megastrategy.layers.multi_query`; ``n_query_groups`` stays 1 and
+LitGPT's forward repeats it for the local heads). When ``tp`` does not divide ``n_query_groups``
+otherwise, a rank's query heads would need key heads of another rank: the size check refuses,
+naming the plan that replicates the attention.
 """
 from __future__ import annotations
 
@@ -47,6 +50,9 @@ def _attention(name: str, m: nn.Module) -> Iterable[Union[BuiltinUnit, Refusal]]
     size, rest = divmod(m.qkv.out_features, heads + 2 * groups)
     if rest:  # not the [q|k|v] layout this plan knows
         return
+    if groups == 1 and heads > 1:
+        yield _multi_query(name, m, heads, size)
+        return
     sizes = (heads * size, groups * size, groups * size)
     sections = {"packed_chunks": 3} if groups == heads else {"packed_sections": sizes}
     yield BuiltinUnit(
@@ -57,6 +63,16 @@ def _attention(name: str, m: nn.Module) -> Iterable[Union[BuiltinUnit, Refusal]]
                 SizeCheck(name, "config.n_query_groups", groups, "key/value head groups", advice=(
                     "Each rank's query heads must find their key/value heads on that rank; otherwise keep the "
                     f"attention whole with {_replicate_plan(name)} (the MLPs and embeddings stay sharded)."))],
+    )
+
+
+def _multi_query(name: str, m: nn.Module, heads: int, head_size: int) -> BuiltinUnit:
+    """One key/value head: the query heads split, the key/value head whole on every rank."""
+    layout = {"q_heads": heads, "kv_heads": 1, "head_dim": head_size}
+    return BuiltinUnit(
+        arch="litgpt", kind="attention", owner=name,
+        members=[(join_name(name, "qkv"), "multi_query", layout), (join_name(name, "proj"), "row", {})],
+        divide_attrs=("config.n_head",), checks=[SizeCheck(name, "config.n_head", heads, "attention heads")],
     )
 
 

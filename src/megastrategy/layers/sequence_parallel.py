@@ -622,11 +622,12 @@ class _SequenceParallelInstaller:
 
     def _residual_block(self, b: nn.Module, known: _KnownBlock) -> None:
         from megastrategy.layers.linear import ColumnParallelLinear, RowParallelLinear
+        from megastrategy.layers.multi_query import MultiQueryPackedLinear
 
         owners = [self._gathering_owner(b, opath) for opath in known.owners]
         in_owner = {id(m) for o in owners for m in o.modules()}
         for m in b.modules():
-            if isinstance(m, ColumnParallelLinear):
+            if isinstance(m, (ColumnParallelLinear, MultiQueryPackedLinear)):  # whole k/v: the same gathered input
                 m.sequence_parallel, m.sequence_dim = True, self.dim
                 m.input_copy = PRE_GATHERED if id(m) in in_owner else self.column_gather(m)
                 self.setup.column_layers.append(self.name_of(m))
@@ -696,12 +697,13 @@ class _SequenceParallelInstaller:
     # -- norms layout: only the norms run on a sequence slice ---------------------------------
     def norms_layout(self, blocks: list[nn.Module]) -> None:
         from megastrategy.layers.linear import ColumnParallelLinear
+        from megastrategy.layers.multi_query import MultiQueryPackedLinear
 
         for b in blocks:
             self._split_norms(b)
             adapters = sharded_column_adapters(b)  # fed A's output (split like the norm's), not a norm's
             for m in b.modules():
-                if isinstance(m, ColumnParallelLinear):
+                if isinstance(m, (ColumnParallelLinear, MultiQueryPackedLinear)):  # both gather the norm's slices
                     m.sequence_parallel, m.sequence_dim = True, self.dim
                     m.input_copy = self.column_gather(m)
                     self.setup.column_layers.append(self.name_of(m))

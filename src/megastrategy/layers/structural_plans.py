@@ -13,7 +13,12 @@ module beside ``out``'s, as in BERT's layout (``attention.self.query`` -> ``atte
   QKV projection is split by what the forward does first with its output: a ``view`` whose
   outer new dimension is a head count (``[heads, 3, head_dim]``, Falcon's
   ``[kv_groups, q_per_group + 2, head_dim]``) -> contiguous rows per rank; a ``split``/``chunk``
-  into equal parts -> ``packed_chunks``. Anything else, or both readings at once, is refused.
+  into equal parts -> ``packed_chunks``; a ``split`` into ``(n_q·d, n_kv·d, n_kv·d)`` or a ``view``
+  as ``[n_q + 2·n_kv, d]`` -> ``packed_sections`` when there are several key/value heads, and with
+  one (multi-query: GPT-BigCode, Falcon) ``multi_query``, the query heads split and the key/value
+  head computed whole on every rank (:mod:`megastrategy.layers.multi_query`; the key/value head
+  counts are then not divided, the query groups ``num_key_value_groups`` are). Anything else, or
+  both readings at once, is refused.
   Parameterized layers between the projections and ``out`` (per-head q/k norms) keep their
   weights whole and sum their gradients over TP (``grad_sum``); attention dropout on the local
   heads runs on the per-TP-rank RNG stream. A per-head bias table (an ``nn.Embedding`` child as
@@ -37,6 +42,7 @@ from typing import Any, Callable
 from torch import nn
 
 from megastrategy.layers.dataflow import DataFlow, FirstUse, trace_dataflow
+from megastrategy.layers.multi_query import MultiQueryLayout, read_packed_qkv
 from megastrategy.layers.random_ids_forward import forward_on_random_ids
 from megastrategy.layers.unit_types import HEAD_ATTRS, BuiltinUnit, Refusal, SizeCheck, is_linear_layer
 from megastrategy.naming import join_name, parent_name
@@ -57,15 +63,17 @@ _KEEP_WHOLE = ("LongformerSelfAttention",)
 
 #: attention attributes that may hold the heads' concatenated width (see ``_width_attrs``)
 _WIDTH_ATTRS = ("embed_dim",)
+#: query heads per key/value head (Llama-style ``repeat_kv``): divided when the key/value heads stay whole
+_GROUP_ATTRS = ("num_key_value_groups",)
 
 
 def _head_counts(m: nn.Module) -> dict[str, int]:
     return {a: v for a in HEAD_ATTRS if isinstance(v := getattr(m, a, None), int) and not isinstance(v, bool)}
 
 
-def _packing(use: FirstUse | None, heads: set[int]) -> int | str:
-    """Equal chunks side by side in a packed projection's output (1: heads/groups outermost),
-    or why that cannot be told."""
+def _packing(use: FirstUse | None, heads: set[int]) -> int | MultiQueryLayout | str:
+    """Equal chunks side by side in a packed projection's output (1: heads/groups outermost), a
+    ``[q | k | v]`` layout with fewer key/value heads, or why that cannot be told."""
     if use is None:
         return "its output is never used"
     if use.op in _SPLIT_OPS:
@@ -73,13 +81,17 @@ def _packing(use: FirstUse | None, heads: set[int]) -> int | str:
         k = len(use.results)
         if k > 1 and all(r == first for r in use.results) and first[-1] * k == use.shape[-1]:
             return k
-        return f"its output is cut by {use.op} into unequal parts {[r[-1] for r in use.results]}"
+        parts = [r[-1] for r in use.results]
+        return read_packed_qkv("split", use.shape[-1], parts, heads) or f"its output is cut by {use.op} into unequal parts {parts}"
     if use.op in _VIEW_OPS and len(use.results) == 1:
         lead = len(use.shape) - 1
         result = use.results[0]
         suffix = result[lead:]
         if result[:lead] == use.shape[:lead] and len(suffix) == 2 and suffix[0] in heads:
             return 1  # [heads, 3 * head_dim], chunked per head afterwards (DeBERTa v1's in_proj)
+        layout = read_packed_qkv("view", use.shape[-1], list(suffix), heads) if result[:lead] == use.shape[:lead] else None
+        if layout is not None:
+            return layout  # [q heads + 2 * kv heads, head_dim] (Falcon's multi-query)
         if result[:lead] == use.shape[:lead] and len(suffix) >= 3:
             readings = []
             if suffix[0] in heads:
@@ -155,10 +167,11 @@ class _Detector:
             return
         if self.unrun_projections(owner) or type(self.modules[owner]).__name__ in _KEEP_WHOLE:
             return  # left whole: see unrun_projections, _KEEP_WHOLE
-        chunks: int | str = 1
+        chunks: int | MultiQueryLayout | str = 1
         if len(sources) == 1:
             (packed,) = sources
-            chunks = _packing(self.flow.first_use.get(packed), set(heads.values()))
+            counts = {v for a, v in heads.items() if a != "all_head_size"}
+            chunks = _packing(self.flow.first_use.get(packed), counts)
             if isinstance(chunks, str):
                 self.refused.append(Refusal(self.full(owner), "structural", (
                     f"structural detection cannot tell how the packed projection {self.full(packed)!r} holds "
@@ -174,10 +187,11 @@ class _Detector:
         rest of the model is still sharded."""
         return [n for n in self.linears if parent_name(n) == owner and n not in self.flow.sources]
 
-    def _attention(self, owner: str, out: str, sources: frozenset[str], chunks: int, heads: dict[str, int]) -> BuiltinUnit:
-        extra: dict[str, Any] = {"packed_chunks": chunks} if chunks > 1 else {}
+    def _attention(
+        self, owner: str, out: str, sources: frozenset[str], chunks: int | MultiQueryLayout, heads: dict[str, int]
+    ) -> BuiltinUnit:
         scope = _scope(out, sources) or owner
-        members = [(self.full(s), "column", dict(extra)) for s in sorted(sources)]
+        members, divided, checks = self._projections(owner, sources, chunks, heads)
         members += [(self.full(n), "grad_sum", {}) for n in self.inside(owner, sources, nn.Module)
                     if any(True for _ in self.modules[n].parameters(recurse=False))]
         dropouts = self.inside(scope, sources, nn.Dropout)
@@ -190,10 +204,28 @@ class _Detector:
         until = self.full(out) if out.startswith(owner + ".") else None
         rng = (until, f"{dropouts[0][len(owner) + 1:]}.p") if dropouts else None
         return BuiltinUnit(
-            self.arch, "attention", self.full(owner), members, divide_attrs=tuple(heads) + self._width_attrs(owner, out),
-            checks=[SizeCheck(self.full(owner), a, v, "attention heads") for a, v in heads.items()],
-            rng_region=rng, origin="structural",
+            self.arch, "attention", self.full(owner), members, divide_attrs=divided + self._width_attrs(owner, out),
+            checks=checks, rng_region=rng, origin="structural",
         )
+
+    def _projections(
+        self, owner: str, sources: frozenset[str], chunks: int | MultiQueryLayout, heads: dict[str, int]
+    ) -> tuple[list[tuple[str, str, dict[str, Any]]], tuple[str, ...], list[SizeCheck]]:
+        """The projections' entries, the head attributes divided by tp, and the sizes tp must divide.
+        One key/value head (multi-query) stays whole: its counts are kept and the query groups divided."""
+        names = [self.full(s) for s in sorted(sources)]
+        checks = [SizeCheck(self.full(owner), a, v, "attention heads") for a, v in heads.items()]
+        if not isinstance(chunks, MultiQueryLayout):
+            extra: dict[str, Any] = {"packed_chunks": chunks} if chunks > 1 else {}
+            return [(n, "column", dict(extra)) for n in names], tuple(heads), checks
+        if chunks.kv_heads > 1:  # grouped: every section split over tp, each rank holding whole kv heads
+            checks.append(SizeCheck(names[0], "key/value heads", chunks.kv_heads, "key/value heads"))
+            return [(n, "column", {"packed_sections": chunks.sections}) for n in names], tuple(heads), checks
+        kept = {a for a, v in heads.items() if v == chunks.kv_heads}
+        module = self.modules[owner]
+        groups = tuple(a for a in _GROUP_ATTRS if getattr(module, a, None) == chunks.q_heads // chunks.kv_heads)
+        checks = [c for c in checks if c.attr not in kept] + [SizeCheck(names[0], "query heads", chunks.q_heads, "query heads")]
+        return [(n, "multi_query", chunks.as_extra()) for n in names], tuple(a for a in heads if a not in kept) + groups, checks
 
     def _width_attrs(self, owner: str, out: str) -> tuple[str, ...]:
         """Width attributes of the attention that equal the heads' concatenated width (what the row

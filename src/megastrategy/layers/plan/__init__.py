@@ -46,7 +46,8 @@ Precedence
 * A ``tp_plan`` without an ``"auto"`` entry is **used as given**, also for a model of a known
   architecture: only what it names is sharded. Where it gives a layer of a recognized block
   the same style auto-detection would, the built-in knowledge of *how* is kept (GPT-2's
-  packed QKV, head-count fix-ups, per-TP-rank attention dropout); layers of one recognized
+  packed QKV, head-count fix-ups, per-TP-rank attention dropout; ``column`` on a multi-query
+  projection splits its query heads and keeps its key/value head whole); layers of one recognized
   block must then be sharded together or not at all.
 
 Head-count fix-ups

@@ -166,6 +166,8 @@ class _ShardedLayerBuilder:
             "head_table": self._head_table,
             "head_bias_input": self._head_bias_input,
             "head_vector": self._head_vector,
+            "multi_query": self._multi_query,
+            "kv_whole": self._kv_whole,
         }.get(e.style)
         if build is None:
             raise AssertionError(e.style)
@@ -228,7 +230,6 @@ class _ShardedLayerBuilder:
 
         return TensorParallelRegionDropout.from_dropout(m, self.rng_tracker)
 
-
     def _grad_sum(self, e: PlanEntry, m: nn.Module) -> nn.Module:
         from megastrategy.layers.grad_sum import sum_grads_over_tp
 
@@ -249,6 +250,17 @@ class _ShardedLayerBuilder:
         from megastrategy.layers.head_vectors import narrow_head_vectors
 
         return narrow_head_vectors(m, self.group, tuple(e.extra["params"]))
+
+    def _multi_query(self, e: PlanEntry, m: nn.Module) -> nn.Module:
+        from megastrategy.layers.multi_query import MultiQueryLayout, MultiQueryPackedLinear
+
+        layout = MultiQueryLayout(int(e.extra["q_heads"]), int(e.extra["kv_heads"]), int(e.extra["head_dim"]))
+        return MultiQueryPackedLinear(m, layout, self.group)
+
+    def _kv_whole(self, e: PlanEntry, m: nn.Module) -> nn.Module:
+        from megastrategy.layers.multi_query import MultiQueryPackedLinear
+
+        return MultiQueryPackedLinear(m, None, self.group)
 
 
 def _hook_rng_regions(

@@ -47,6 +47,10 @@ class DraftEntry:
     bias_kwarg: str | None = None
     #: ``head_vector``: the attention's own per-head parameter vectors (DeBERTa v1's q_bias, v_bias)
     params: tuple[str, ...] | None = None
+    #: ``multi_query``: the packed projection's query and key/value heads and their size
+    q_heads: int | None = None
+    kv_heads: int | None = None
+    head_dim: int | None = None
 
     @classmethod
     def builtin(cls, style: str, source: str, unit: BuiltinUnit, extra: dict[str, Any]) -> "DraftEntry":
@@ -62,6 +66,9 @@ class DraftEntry:
             heads=extra.get("heads"),
             bias_kwarg=extra.get("bias_kwarg"),
             params=extra.get("params"),
+            q_heads=extra.get("q_heads"),
+            kv_heads=extra.get("kv_heads"),
+            head_dim=extra.get("head_dim"),
         )
 
     @property
@@ -88,6 +95,9 @@ class DraftEntry:
             ("heads", self.heads),
             ("bias_kwarg", self.bias_kwarg),
             ("params", self.params),
+            ("q_heads", self.q_heads),
+            ("kv_heads", self.kv_heads),
+            ("head_dim", self.head_dim),
         )
         return {k: v for k, v in pairs if v is not None}
 
@@ -130,9 +140,14 @@ def _lora_entries(n: str, m: nn.Module, style: str, glob: str, source: str) -> D
     return {name: DraftEntry(member_style, source) for name, member_style, _ in lora_members(n, m, style, {})}
 
 
+#: detected styles that are a way of splitting a layer's query heads: a user's ``column`` on such a layer
+#: keeps them (the key/value heads of a multi-query projection stay whole, :mod:`megastrategy.layers.multi_query`)
+_COLUMN_WAYS = ("multi_query", "kv_whole")
+
+
 def _explicit_entry(n: str, m: nn.Module, style: str, glob: str, source: str, hit: Any) -> DraftEntry:
     """A user-given sharding style; where it agrees with a recognized block, keep the block's
-    knowledge of how (packed QKV, fix-ups, RNG regions)."""
+    knowledge of how (packed QKV, multi-query, fix-ups, RNG regions)."""
     if not style_fits(style, m):
         raise MegatronConfigError(
             f"tp_plan[{glob!r}]={style!r} matches {n!r} (type {type_name(m)}): style {style!r} "
@@ -140,9 +155,9 @@ def _explicit_entry(n: str, m: nn.Module, style: str, glob: str, source: str, hi
         )
     if style == "column" and isinstance(m, nn.Dropout):
         style = "dropout"
-    if hit is not None and hit[1] == style:
-        unit, _, bextra = hit
-        return DraftEntry.builtin(style, source, unit, bextra)
+    if hit is not None and (hit[1] == style or style == "column" and hit[1] in _COLUMN_WAYS):
+        unit, bstyle, bextra = hit
+        return DraftEntry.builtin(bstyle, source, unit, bextra)
     return DraftEntry(style, source)
 
 

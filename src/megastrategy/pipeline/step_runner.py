@@ -72,6 +72,8 @@ class StepRunner:
         self.relay = relay
         self.calls = (ModelCalls(stage.call_modules, stage.stack_path, lambda: stage.active_chunk is not None)
                       if stage is not None else None)
+        if stage is not None:
+            stage.on_stack_entry = self.calls.refuse_stack_outside_calls
         self._recorded: dict[int, list] = {}  # microbatch -> its model calls' outputs (last stage)
         self._paused: dict[int, SuspendedStep] = {}  # microbatch -> its step, paused at the model call
         self._step_threads = StepThreads()  # reused: a fresh thread per microbatch runs the forward slower

@@ -255,3 +255,78 @@ def val_every_steps(args, workdir):
 
 
 HABITS["val-every-steps"] = val_every_steps
+
+
+# ---------------------------------------------------------------- 8. nn.Embedding options that act on rows
+class EmbeddingOptions(GPT):
+    """The token embedding built with ``max_norm=1.0`` (rows looked up are renormalized in place) or
+    ``scale_grad_by_freq=True`` (each row's gradient divided by its count in the batch), tied to the head
+    unless ``untied``."""
+
+    def __init__(self, option: str, untied: bool = False, **kw):
+        super().__init__(**kw)
+        self.wte = nn.Embedding(VOCAB, 32, **{option: 1.0 if option == "max_norm" else True})
+        self.lm_head = nn.Linear(32, VOCAB, bias=False)
+        if not untied:
+            self.lm_head.weight = self.wte.weight
+
+
+def _one_microbatch(args) -> dict:
+    """Trainer keywords for ``MegatronStrategy(num_microbatches=1)`` (the route a refusal names)."""
+    from megastrategy import MegatronStrategy
+
+    return {"strategy": MegatronStrategy(tp=args.tp, pp=args.pp, num_microbatches=1)} if args.strategy != "ddp" else {}
+
+
+def _embedding(option, untied=False, whole_batch=False):
+    def run(args, workdir):
+        module = EmbeddingOptions(option, untied, batch_size=8 // args.dp, optimizer="sgd")
+        losses, raised, t = _fit(args, module, max_epochs=1, max_steps=-1, limit_train_batches=4, limit_val_batches=2,
+                                 **(_one_microbatch(args) if whole_batch else {}))
+        return {"losses": losses, "raised": raised,
+                "val_loss": float(t.callback_metrics["val_loss"]) if "val_loss" in t.callback_metrics else None}
+
+    return run
+
+
+HABITS["embedding-max-norm"] = _embedding("max_norm")
+HABITS["embedding-grad-by-freq"] = _embedding("scale_grad_by_freq")
+HABITS["embedding-max-norm-untied"] = _embedding("max_norm", untied=True)
+HABITS["embedding-grad-by-freq-one-microbatch"] = _embedding("scale_grad_by_freq", whole_batch=True)
+
+
+# ---------------------------------------------------------------- 9. a running statistic kept in a buffer by the forward
+class RunningCenter(nn.Module):
+    """Subtracts a running mean of its input, updated in training like BatchNorm's (a user's normalizer)."""
+
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.register_buffer("mean", torch.zeros(d))
+
+    def forward(self, x):
+        if self.training:
+            with torch.no_grad():
+                self.mean.lerp_(x.mean((0, 1)), 0.5)
+        return x - self.mean
+
+
+class CenteredGPT(GPT):
+    def __init__(self, **kw):
+        super().__init__(**kw)
+        self.center = RunningCenter(32)
+
+    def forward(self, ids):
+        x = self.wte(ids) + self.wpe(torch.arange(ids.shape[1], device=ids.device))
+        for b in self.blocks:
+            x = b(x)
+        return self.lm_head(self.ln_f(self.center(x)))
+
+
+def running_buffer(args, workdir):
+    module = CenteredGPT(batch_size=8 // args.dp)
+    losses, raised, t = _fit(args, module, max_epochs=1, max_steps=-1, limit_train_batches=4, limit_val_batches=2)
+    return {"losses": losses, "raised": raised,
+            "val_loss": float(t.callback_metrics["val_loss"]) if "val_loss" in t.callback_metrics else None}
+
+
+HABITS["running-buffer"] = running_buffer

@@ -15,6 +15,7 @@ from megastrategy.component import Component, SetupContext
 from megastrategy.config import MegatronConfig
 from megastrategy.errors import MegatronConfigError
 from megastrategy.pipeline.batch_statistics import refuse_batch_statistics
+from megastrategy.pipeline.embedding_options import refuse_embedding_options
 from megastrategy.pipeline.direct_forward import direct_forward_calls_routed, route_direct_forward_calls
 from megastrategy.pipeline.forward_order import ForwardOrder, loop_state_refusal, record_forward_order
 from megastrategy.pipeline.layer_assignment import assign_layers
@@ -65,6 +66,7 @@ class Pipeline(Component):
         _refuse_what_stages_cannot_split(hf, self.pp)
         refuse_router_logits(hf, self.pp, self.num_microbatches, is_encoder_decoder(module))
         refuse_batch_statistics(module, self.pp, self.num_microbatches)
+        refuse_embedding_options(module, self.pp, self.num_microbatches)
         refuse_stateful_reparametrization(module, self.pp)
         if is_encoder_decoder(module):
             self._validate_seq2seq(module)

@@ -322,11 +322,16 @@ class CenteredGPT(GPT):
         return self.lm_head(self.ln_f(self.center(x)))
 
 
-def running_buffer(args, workdir):
-    module = CenteredGPT(batch_size=8 // args.dp)
-    losses, raised, t = _fit(args, module, max_epochs=1, max_steps=-1, limit_train_batches=4, limit_val_batches=2)
-    return {"losses": losses, "raised": raised,
-            "val_loss": float(t.callback_metrics["val_loss"]) if "val_loss" in t.callback_metrics else None}
+def _running_buffer(whole_batch):
+    def run(args, workdir):
+        module = CenteredGPT(batch_size=8 // args.dp)
+        losses, raised, t = _fit(args, module, max_epochs=1, max_steps=-1, limit_train_batches=4, limit_val_batches=2,
+                                 **(_one_microbatch(args) if whole_batch else {}))
+        return {"losses": losses, "raised": raised,
+                "val_loss": float(t.callback_metrics["val_loss"]) if "val_loss" in t.callback_metrics else None}
+
+    return run
 
 
-HABITS["running-buffer"] = running_buffer
+HABITS["running-buffer"] = _running_buffer(False)
+HABITS["running-buffer-one-microbatch"] = _running_buffer(True)

@@ -24,6 +24,10 @@ step on one pipeline stage run alone (the watchdog stops the other stage, so the
 * a user's running statistic in a buffer updated by the training forward: once per microbatch at pp2 (22.788
   against 22.653 at the first step, silently), now refused at the first step naming the buffer
   (``pipeline/running_buffers.py``), ``num_microbatches=1`` DDP's; DDP's at tp2;
+* a learnable scalar registered on the module itself (``self.scale``) multiplying the logits in ``forward``
+  (and the embeddings): at tp2 its gradient was a rank's vocab columns' part (``layers/vocab_parallel_logits.py``
+  now sums it over tp); at pp2 every stage holds a copy and each took its stage's part (or none), silently; now
+  summed over the pipeline (``pipeline/ancestor_parameters.py``);
 * DDP's with no change: random masking drawn in ``training_step`` (tp2, pp2), ``validate(ckpt_path="last")``
   and ``test(ckpt_path="best")`` after fit, ``val_check_interval=3`` with ``check_val_every_n_epoch=None``
   and ``limit_val_batches=0.5`` across epochs.
@@ -41,6 +45,7 @@ HOOKS = ["prune-in-init", "forward-hook-sharded", "forward-hook-whole", "backwar
          "backward-hook-whole", "grad-hooks-sharded", "grad-hooks-whole"]
 EVERYWHERE = ["mask-in-step", "contrastive-forward", "ckpt-best-last", "val-every-steps"]
 EMBEDDINGS = ["embedding-max-norm", "embedding-grad-by-freq"]
+EVERYWHERE += ["scalar-at-head", "scalar-both-ends"]
 TP2 = HOOKS + EVERYWHERE + EMBEDDINGS + ["prune-in-init-replicated", "contrastive-own-loop",
                                         "contrastive-learnable-scale", "running-buffer"]
 PP2 = ["prune-in-init", "grad-hooks-sharded", "grad-hooks-whole", "running-buffer-one-microbatch",
@@ -173,6 +178,16 @@ def test_a_running_statistic_in_a_buffer_is_refused_at_the_first_step_at_pp2():
 def test_a_running_statistic_in_a_buffer_with_one_microbatch_at_pp2():
     ours, ref = _same("pp2", "running-buffer-one-microbatch")
     _close([ours["val_loss"]], [ref["val_loss"]])
+
+
+@pytest.mark.parametrize("layout", ["tp2", "pp2"])
+@pytest.mark.parametrize("habit", ["scalar-at-head", "scalar-both-ends"])
+def test_a_learnable_scalar_of_the_module_itself_used_in_forward(layout, habit):
+    """``self.scale`` multiplying the logits (and the embeddings): at tp2 it met only a rank's vocab columns
+    and trained on half its gradient (7.8604 against 7.8585 at the third step); at pp2 each stage's copy
+    took its stage's part (187.07 against 296.61 with SGD), or rank 0's never trained (0.70 against -30.6)."""
+    ours, ref = _same(layout, habit)
+    _close([ours["val_loss"], ours["scale"]], [ref["val_loss"], ref["scale"]])
 
 
 def _alone_at_pp2(habit: str) -> str:

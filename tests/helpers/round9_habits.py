@@ -335,3 +335,35 @@ def _running_buffer(whole_batch):
 
 HABITS["running-buffer"] = _running_buffer(False)
 HABITS["running-buffer-one-microbatch"] = _running_buffer(True)
+
+
+# ---------------------------------------------------------------- 10. a learnable scalar of the module itself used in forward
+class ScalarGPT(GPT):
+    """``self.scale``, a parameter of the LightningModule itself (no submodule), multiplies the logits in
+    ``forward`` (a learnable temperature) and, with ``both_ends``, the token embeddings too."""
+
+    def __init__(self, both_ends: bool, **kw):
+        super().__init__(**kw)
+        self.both_ends = both_ends
+        self.scale = nn.Parameter(torch.tensor(0.7))
+
+    def forward(self, ids):
+        x = self.wte(ids) * (self.scale if self.both_ends else 1.0)
+        x = x + self.wpe(torch.arange(ids.shape[1], device=ids.device))
+        for b in self.blocks:
+            x = b(x)
+        return self.lm_head(self.ln_f(x)) * self.scale
+
+
+def _scalar(both_ends):
+    def run(args, workdir):
+        module = ScalarGPT(both_ends, batch_size=8 // args.dp, lr=3e-2)
+        losses, raised, t = _fit(args, module, max_epochs=1, max_steps=-1, limit_train_batches=4, limit_val_batches=2)
+        return {"losses": losses, "raised": raised, "scale": float(module.scale.detach()),
+                "val_loss": float(t.callback_metrics["val_loss"]) if "val_loss" in t.callback_metrics else None}
+
+    return run
+
+
+HABITS["scalar-at-head"] = _scalar(False)
+HABITS["scalar-both-ends"] = _scalar(True)

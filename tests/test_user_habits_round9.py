@@ -28,6 +28,8 @@ step on one pipeline stage run alone (the watchdog stops the other stage, so the
   (and the embeddings): at tp2 its gradient was a rank's vocab columns' part (``layers/vocab_parallel_logits.py``
   now sums it over tp); at pp2 every stage holds a copy and each took its stage's part (or none), silently; now
   summed over the pipeline (``pipeline/ancestor_parameters.py``);
+* a learnable scalar gate on a column-sharded activation inside a user's block: refused at tp2 by the set-up
+  block check (the gate's gradient), DDP's at pp2;
 * DDP's with no change: random masking drawn in ``training_step`` (tp2, pp2), ``validate(ckpt_path="last")``
   and ``test(ckpt_path="best")`` after fit, ``val_check_interval=3`` with ``check_val_every_n_epoch=None``
   and ``limit_val_batches=0.5`` across epochs.
@@ -45,7 +47,7 @@ HOOKS = ["prune-in-init", "forward-hook-sharded", "forward-hook-whole", "backwar
          "backward-hook-whole", "grad-hooks-sharded", "grad-hooks-whole"]
 EVERYWHERE = ["mask-in-step", "contrastive-forward", "ckpt-best-last", "val-every-steps"]
 EMBEDDINGS = ["embedding-max-norm", "embedding-grad-by-freq"]
-EVERYWHERE += ["scalar-at-head", "scalar-both-ends"]
+EVERYWHERE += ["scalar-at-head", "scalar-both-ends", "gated-blocks"]
 TP2 = HOOKS + EVERYWHERE + EMBEDDINGS + ["prune-in-init-replicated", "contrastive-own-loop",
                                         "contrastive-learnable-scale", "running-buffer"]
 PP2 = ["prune-in-init", "grad-hooks-sharded", "grad-hooks-whole", "running-buffer-one-microbatch",
@@ -188,6 +190,16 @@ def test_a_learnable_scalar_of_the_module_itself_used_in_forward(layout, habit):
     took its stage's part (187.07 against 296.61 with SGD), or rank 0's never trained (0.70 against -30.6)."""
     ours, ref = _same(layout, habit)
     _close([ours["val_loss"], ours["scale"]], [ref["val_loss"], ref["scale"]])
+
+
+def test_a_learnable_gate_on_a_sharded_activation_inside_a_block():
+    """``F.gelu(self.fc(x)) * self.gate`` in a user's block: at tp2 the set-up block check finds the gate's
+    gradient off (a shard's part) and refuses naming the block; at pp2 DDP's."""
+    message = _pair("tp2", "gated-blocks")[0]["raised"]
+    assert message.startswith("MegatronConfigError: tp=2: the sharded block 'blocks.0' (GatedBlock;"), message
+    assert "gradient of gate" in message
+    ours, ref = _same("pp2", "gated-blocks")
+    _close([ours["val_loss"]], [ref["val_loss"]])
 
 
 def _alone_at_pp2(habit: str) -> str:

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from lightning.pytorch.callbacks import ModelCheckpoint
 from torch import nn
 
-from tests.helpers.models import GPT, VOCAB
+from tests.helpers.models import GPT, VOCAB, Block
 from tests.helpers.round3_habits import StepLosses, trainer
 from tests.helpers.round7_habits import _raised
 
@@ -367,3 +367,36 @@ def _scalar(both_ends):
 
 HABITS["scalar-at-head"] = _scalar(False)
 HABITS["scalar-both-ends"] = _scalar(True)
+
+
+# ---------------------------------------------------------------- 11. a learnable scalar gate inside a block, on a sharded activation
+class GatedBlock(Block):
+    """The MLP's hidden activation (column-sharded at tp2) scaled by a learnable scalar of the block."""
+
+    def __init__(self, d: int, n_head: int) -> None:
+        super().__init__(d, n_head)
+        self.gate = nn.Parameter(torch.tensor(0.8))
+
+    def forward(self, x):
+        B, T, _ = x.shape
+        h = self.ln1(x)
+        q, k, v = (m(h).view(B, T, self.n_head, -1).transpose(1, 2) for m in (self.q, self.k, self.v))
+        att = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.proj(att.transpose(1, 2).reshape(B, T, -1))
+        return x + self.out(F.gelu(self.fc(self.ln2(x))) * self.gate)
+
+
+class GatedGPT(GPT):
+    def __init__(self, **kw):
+        super().__init__(**kw)
+        self.blocks = nn.ModuleList(GatedBlock(32, 4) for _ in range(2))
+
+
+def gated_blocks(args, workdir):
+    module = GatedGPT(batch_size=8 // args.dp, lr=3e-2)
+    losses, raised, t = _fit(args, module, max_epochs=1, max_steps=-1, limit_train_batches=4, limit_val_batches=2)
+    return {"losses": losses, "raised": raised, "gates": [float(b.gate.detach()) for b in module.blocks],
+            "val_loss": float(t.callback_metrics["val_loss"]) if "val_loss" in t.callback_metrics else None}
+
+
+HABITS["gated-blocks"] = gated_blocks

@@ -55,11 +55,11 @@ class ModelCalls:
         ``in_step()``: whether the schedule is running a step on this stage now."""
         self._local = threading.local()
         self._in_step = in_step
-        self._stack_path = stack_path
-        self._holders = [name or "the LightningModule" for name, _ in modules
-                         if name == "" or stack_path == name or stack_path.startswith(name + ".")]
+        self._stack_path, self._holders = stack_path, []  # the modules a step reaches the stack through
         for name, module in modules:
             holds = bool(stack_path) and (name == "" or stack_path == name or stack_path.startswith(name + "."))
+            if holds:
+                self._holders.append(name or "the LightningModule")
             current = module.__dict__.get("forward")
             if isinstance(current, _CallThrough):  # a runner built again for the same stage
                 current.calls, current.holds_stack = self, holds

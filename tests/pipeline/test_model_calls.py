@@ -100,3 +100,15 @@ def test_modules_after_the_stack_may_be_called_beside_it():
         head(torch.ones(1))
         head(torch.ones(1))
     assert len(recorded) == 3
+
+
+def test_blocks_run_by_the_step_itself_outside_a_model_call_are_refused_while_recording_or_pausing():
+    outer, inner = _model()
+    calls = ModelCalls([("", outer)], stack_path="blocks")
+    calls.refuse_stack_outside_calls()  # outside a step's record/pause: nothing to say
+    with calls.recording():
+        with pytest.raises(MegatronConfigError, match=r"the step ran the blocks of 'blocks' itself, not inside a "
+                                                      r"call of a module holding them \(the LightningModule\)"):
+            calls.refuse_stack_outside_calls()
+        outer.inner = type("Checking", (nn.Module,), {"forward": lambda self, x: (calls.refuse_stack_outside_calls(), x)[1]})()
+        outer(torch.ones(2))  # reached through the model call: fine

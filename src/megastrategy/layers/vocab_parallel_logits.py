@@ -22,7 +22,9 @@ it behaves like the full ``[..., vocab_size]`` logits:
 * ``repr``/``str`` never communicate (a ``print`` on one rank only must not hang): they
   show the full shape and this rank's shard.
 
-Every path is differentiable: gradients reaching the local shard are exact.
+Every path is differentiable: gradients reaching the local shard are exact, and a plain tensor
+operand of a local op that needs a gradient (a learnable temperature) gets its gradient summed over
+the tensor-parallel group.
 """
 from __future__ import annotations
 
@@ -38,6 +40,7 @@ from torch import Tensor
 from megastrategy.layers.cross_entropy import vocab_parallel_argmax, vocab_parallel_cross_entropy
 from megastrategy.layers.mappings import (
     ProcessGroupRef,
+    copy_to_tensor_parallel_region,
     gather_from_tensor_parallel_region,
     group_rank,
     group_world_size,
@@ -318,8 +321,25 @@ def _run_plain(func, args, kwargs):
         return func(*args, **kwargs)
 
 
+def _summed_over_tp(obj, group):
+    """A plain tensor operand that needs a gradient (a learnable temperature ``logits * self.scale``, a
+    per-token scale) is the same on every rank but meets only this rank's vocab columns, so its gradient
+    here is a part: summed over the tensor-parallel group in backward (Megatron's copy to the region).
+    Without it a learnable scale on the logits trained on half its gradient at tp2, silently."""
+    if isinstance(obj, VocabParallelLogits):
+        return obj
+    if isinstance(obj, Tensor):
+        return copy_to_tensor_parallel_region(obj, group) if obj.requires_grad and torch.is_grad_enabled() else obj
+    if isinstance(obj, (list, tuple)) and not hasattr(obj, "_fields"):
+        return type(obj)(_summed_over_tp(o, group) for o in obj)
+    if isinstance(obj, dict):
+        return {k: _summed_over_tp(v, group) for k, v in obj.items()}
+    return obj
+
+
 def _run_local(func, args, kwargs, meta: _Meta):
     """Run ``func`` on the local shards; tensor results become logits again."""
+    args, kwargs = _summed_over_tp(args, meta.group), _summed_over_tp(kwargs, meta.group)
     originals: list[VocabParallelLogits] = []
     _instances(args, VocabParallelLogits, originals)
     _instances(kwargs, VocabParallelLogits, originals)

@@ -14,7 +14,9 @@ from megastrategy.anatomy import ModelAnatomy, find_hf_model
 from megastrategy.component import Component, SetupContext
 from megastrategy.config import MegatronConfig
 from megastrategy.errors import MegatronConfigError
+from megastrategy.pipeline.ancestor_parameters import ancestor_parameters
 from megastrategy.pipeline.batch_statistics import refuse_batch_statistics
+from megastrategy.pipeline.embedding_options import refuse_embedding_options
 from megastrategy.pipeline.direct_forward import direct_forward_calls_routed, route_direct_forward_calls
 from megastrategy.pipeline.forward_order import ForwardOrder, loop_state_refusal, record_forward_order
 from megastrategy.pipeline.layer_assignment import assign_layers
@@ -65,6 +67,7 @@ class Pipeline(Component):
         _refuse_what_stages_cannot_split(hf, self.pp)
         refuse_router_logits(hf, self.pp, self.num_microbatches, is_encoder_decoder(module))
         refuse_batch_statistics(module, self.pp, self.num_microbatches)
+        refuse_embedding_options(module, self.pp, self.num_microbatches)
         refuse_stateful_reparametrization(module, self.pp)
         if is_encoder_decoder(module):
             self._validate_seq2seq(module)
@@ -150,7 +153,7 @@ class Pipeline(Component):
             router_logits=carry_for(find_hf_model(module)[1], self.pp, self.num_microbatches),
         )
         route_direct_forward_calls(anatomy.stack)  # last, over recompute's forward (see the function)
-        self._shared = ctx.stage.shared_layer_parameters
+        self._shared = _with_ancestor_parameters(ctx.stage.shared_layer_parameters, module, anatomy.stack_path)
         shared = {id(p) for p in self._shared}
         self._tied = [p for p in ctx.stage.tied_parameters if id(p) not in shared]
         self._embedding_group, self._pp_group = ps.embedding_group, ps.pp_group
@@ -173,6 +176,12 @@ class Pipeline(Component):
         for p in filter(_trains, self._shared):
             dist.all_reduce(p.main_grad, group=self._pp_group)
         return True
+
+
+def _with_ancestor_parameters(shared: list, module: nn.Module, stack_path: str) -> list:
+    """``shared`` and the parameters of the stack's ancestors (:mod:`.ancestor_parameters`), each once."""
+    seen = {id(p) for p in shared}
+    return list(shared) + [p for p in ancestor_parameters(module, stack_path) if id(p) not in seen]
 
 
 def _trains(p: nn.Parameter) -> bool:

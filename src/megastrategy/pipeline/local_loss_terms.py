@@ -31,7 +31,8 @@ def refuse_local_loss_terms(loss: Optional[torch.Tensor], module: nn.Module, ste
     raise MegatronConfigError(
         f"{step_name} on pipeline stage {pp_rank} of {pp} returned a loss that depends on this stage's own "
         f"parameters outside the model call (its grad_fn: {type(loss.grad_fn).__name__}), e.g. a penalty "
-        "summed over self.parameters() added to the loss: under pipeline parallelism a stage holds only its "
+        "summed over self.parameters() added to the loss, or a learnable scale or temperature applied to the "
+        "model's outputs in the step (CLIP's logit_scale): under pipeline parallelism a stage holds only its "
         "layers and the schedule backpropagates only the model's output, so that term's gradient would be "
         "dropped on this stage and its value would count only the last stage's parameters. What works: "
         "the optimizer's weight_decay (AdamW(weight_decay=...)) for an L2 penalty, or pp=1 (tensor and data "

@@ -55,8 +55,11 @@ class ModelCalls:
         ``in_step()``: whether the schedule is running a step on this stage now."""
         self._local = threading.local()
         self._in_step = in_step
+        self._stack_path, self._holders = stack_path, []  # the modules a step reaches the stack through
         for name, module in modules:
             holds = bool(stack_path) and (name == "" or stack_path == name or stack_path.startswith(name + "."))
+            if holds:
+                self._holders.append(name or "the LightningModule")
             current = module.__dict__.get("forward")
             if isinstance(current, _CallThrough):  # a runner built again for the same stage
                 current.calls, current.holds_stack = self, holds
@@ -133,6 +136,15 @@ class ModelCalls:
                 "pp=1 (tensor and data parallelism run such a step)."
             )
 
+    def refuse_stack_outside_calls(self) -> None:
+        """Called as a chunk's first block starts: a step (recording, or pausing at the stage cut) that
+        runs the blocks itself, outside a call of the modules holding them (its own loop over
+        ``self.blocks`` in a method other than ``forward``), has no model call to pause at or record: the
+        first stage crashed with a KeyError and the last blamed the registration order. Said here."""
+        state = self._state()
+        if state.depth == 0 and state.mode in ("record", "pause"):
+            raise MegatronConfigError(_stack_outside_calls(self._stack_path, self._holders))
+
     def call(self, through: _CallThrough, args: tuple, kwargs: dict) -> Any:
         state = self._state()
         outermost = state.depth == 0
@@ -161,6 +173,18 @@ class ModelCalls:
         if outermost and state.mode == "record":
             state.record.append(out)
         return out
+
+
+def _stack_outside_calls(stack_path: str, holders: list[str]) -> str:
+    return (
+        f"the step ran the blocks of {stack_path!r} itself, not inside a call of a module holding them "
+        f"({', '.join(holders)}): e.g. a loop over the blocks in a method other than forward. Under pipeline "
+        "parallelism each stage runs its blocks within one model call per microbatch, which it pauses at the stage "
+        "cut and answers with the last stage's output, so the step must reach the blocks through forward: move the "
+        "loop into forward and call self(...) (or self.model(...)) once per microbatch; to encode two views, "
+        "torch.cat them along dim 0 into one call and split the output. Or use pp=1 (tensor and data parallelism "
+        "run such a step)."
+    )
 
 
 def _outside_step(name: str) -> str:

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import inspect
 from dataclasses import dataclass, field
-from typing import Any, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 from torch import nn
@@ -329,6 +329,8 @@ class PipelineStage:
     _probed_chunks: set = field(default_factory=set)
     _probe_targets: list = field(default_factory=list)  # chunk -> (name, module) whose inputs are checked
     _probe_hooks: list = field(default_factory=list)
+    # called as a chunk's first block starts in the schedule (the step runner checks how the step got there)
+    on_stack_entry: Optional[Callable[[], None]] = None
 
     def is_first_virtual(self, chunk: int) -> bool:
         return self._where().stage(self.pp_rank, chunk) == 0
@@ -447,6 +449,8 @@ class PipelineStage:
         raise StageBoundary(pack([values[0]] + [values[i] for i, _ in self.carried] + logits))
 
     def _pre_hook(self, module, args, kwargs):
+        if self._active_chunk is not None and self.on_stack_entry is not None:
+            self.on_stack_entry()
         if self._active_chunk is None or self._pending_input is None:
             return None
         return self.substitute_input(module, args, kwargs)

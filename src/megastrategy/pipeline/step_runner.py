@@ -33,6 +33,7 @@ from megastrategy.pipeline.local_loss_terms import refuse_local_loss_terms
 from megastrategy.pipeline.log_relay import capturing_logs, metric_paths, replay_logs
 from megastrategy.pipeline.model_calls import ModelCalls
 from megastrategy.pipeline.output_relay import OutputRelay
+from megastrategy.pipeline.running_buffers import RunningBuffers
 from megastrategy.pipeline.schedule_choice import microbatches_for, schedule_placement, training_steps
 from megastrategy.rank_zero import log_on_rank_zero
 from megastrategy.pipeline.schedules import forward_only_steps
@@ -72,6 +73,9 @@ class StepRunner:
         self.relay = relay
         self.calls = (ModelCalls(stage.call_modules, stage.stack_path, lambda: stage.active_chunk is not None)
                       if stage is not None else None)
+        if stage is not None:
+            stage.on_stack_entry = self.calls.refuse_stack_outside_calls
+        self._running_buffers = RunningBuffers(executor.pp_size)
         self._recorded: dict[int, list] = {}  # microbatch -> its model calls' outputs (last stage)
         self._paused: dict[int, SuspendedStep] = {}  # microbatch -> its step, paused at the model call
         self._step_threads = StepThreads()  # reused: a fresh thread per microbatch runs the forward slower
@@ -163,6 +167,7 @@ class StepRunner:
         with ExitStack() as stack:
             stack.enter_context(self._user_checkpoints.step(step.name, module))
             if len(microbatches) > 1:
+                stack.enter_context(self._running_buffers.step(module, step))
                 stack.enter_context(self._summed_losses.step(step.name, len(microbatches)))
                 if self._token_means is not None:
                     stack.enter_context(self._token_means.step(step.name, microbatches))

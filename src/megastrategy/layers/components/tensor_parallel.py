@@ -12,6 +12,7 @@ from megastrategy.layers.block_capture import capture_blocks
 from megastrategy.layers.block_check import verify_sharded_blocks
 from megastrategy.layers.block_fallback import keep_failing_blocks_whole
 from megastrategy.layers.plan import ResolvedPlan, apply_tp_plan, resolve_tp_plan
+from megastrategy.layers.user_hooks import refuse_user_hooks
 
 
 class TensorParallel(Component):
@@ -36,6 +37,8 @@ class TensorParallel(Component):
             _refuse_compiled(module, self.tp)
         if self.plan is None:
             self.plan = _resolve(module, self.tp_plan, self.tp)
+            if self.tp > 1:
+                refuse_user_hooks(module, self.plan, self.tp)
 
     def apply(self, module: nn.Module, ctx: SetupContext) -> None:
         self.validate(module, None)

@@ -44,7 +44,7 @@ from torch import nn
 from megastrategy.layers.dataflow import DataFlow, FirstUse, trace_dataflow
 from megastrategy.layers.multi_query import MultiQueryLayout, read_packed_qkv
 from megastrategy.layers.random_ids_forward import forward_on_random_ids
-from megastrategy.layers.unit_types import HEAD_ATTRS, BuiltinUnit, Refusal, SizeCheck, is_linear_layer
+from megastrategy.layers.unit_types import GROUP_ATTRS, HEAD_ATTRS, BuiltinUnit, Refusal, SizeCheck, is_linear_layer
 from megastrategy.naming import join_name, parent_name
 
 __all__ = ["structural_units"]
@@ -63,8 +63,6 @@ _KEEP_WHOLE = ("LongformerSelfAttention",)
 
 #: attention attributes that may hold the heads' concatenated width (see ``_width_attrs``)
 _WIDTH_ATTRS = ("embed_dim",)
-#: query heads per key/value head (Llama-style ``repeat_kv``): divided when the key/value heads stay whole
-_GROUP_ATTRS = ("num_key_value_groups",)
 
 
 def _head_counts(m: nn.Module) -> dict[str, int]:
@@ -223,7 +221,7 @@ class _Detector:
             return [(n, "column", {"packed_sections": chunks.sections}) for n in names], tuple(heads), checks
         kept = {a for a, v in heads.items() if v == chunks.kv_heads}
         module = self.modules[owner]
-        groups = tuple(a for a in _GROUP_ATTRS if getattr(module, a, None) == chunks.q_heads // chunks.kv_heads)
+        groups = tuple(a for a in GROUP_ATTRS if getattr(module, a, None) == chunks.q_heads // chunks.kv_heads)
         checks = [c for c in checks if c.attr not in kept] + [SizeCheck(names[0], "query heads", chunks.q_heads, "query heads")]
         return [(n, "multi_query", chunks.as_extra()) for n in names], tuple(a for a in heads if a not in kept) + groups, checks
 

@@ -260,7 +260,7 @@ class _ShardedLayerBuilder:
     def _kv_whole(self, e: PlanEntry, m: nn.Module) -> nn.Module:
         from megastrategy.layers.multi_query import MultiQueryPackedLinear
 
-        return MultiQueryPackedLinear(m, None, self.group)
+        return MultiQueryPackedLinear(m, None, self.group, kv_heads=int(e.extra.get("kv_heads", 1)))
 
 
 def _hook_rng_regions(

@@ -47,10 +47,12 @@ class DraftEntry:
     bias_kwarg: str | None = None
     #: ``head_vector``: the attention's own per-head parameter vectors (DeBERTa v1's q_bias, v_bias)
     params: tuple[str, ...] | None = None
-    #: ``multi_query``: the packed projection's query and key/value heads and their size
+    #: ``multi_query`` (``kv_whole``: ``kv_heads``, ``head_dim``): the packed projection's query and key/value heads and their size
     q_heads: int | None = None
     kv_heads: int | None = None
     head_dim: int | None = None
+    #: ``kv_whole``: the ranks holding each key/value head (tp / its key/value heads)
+    kv_replicas: int | None = None
 
     @classmethod
     def builtin(cls, style: str, source: str, unit: BuiltinUnit, extra: dict[str, Any]) -> "DraftEntry":
@@ -98,6 +100,7 @@ class DraftEntry:
             ("q_heads", self.q_heads),
             ("kv_heads", self.kv_heads),
             ("head_dim", self.head_dim),
+            ("kv_replicas", self.kv_replicas),
         )
         return {k: v for k, v in pairs if v is not None}
 

@@ -62,7 +62,8 @@ class KeyValueHeads:
     (:mod:`megastrategy.layers.plan.kv_replication`): ``count`` key/value heads of ``head_dim``
     shared by ``query_heads`` query heads. ``members``: the unit's projections holding them;
     ``check``: the attribute of the unit's size check on their count; ``count_attrs``: the owner's
-    attributes that count them; ``group_attrs``: the owner's query heads per key/value head."""
+    attributes that count them; ``group_attrs``: the owner's query heads per key/value head;
+    ``packed``: the members are ``[q | k | v]`` projections (LitGPT's ``qkv``), not ``k_proj``/``v_proj``."""
 
     count: int
     query_heads: int
@@ -71,6 +72,13 @@ class KeyValueHeads:
     check: str
     count_attrs: tuple[str, ...] = ()
     group_attrs: tuple[str, ...] = ()
+    packed: bool = False
+
+    def replicated_style(self) -> tuple[str, dict[str, int]]:
+        """The members' style and extra where tp replicates these heads."""
+        if self.packed:
+            return "multi_query", {"q_heads": self.query_heads, "kv_heads": self.count, "head_dim": self.head_dim}
+        return "kv_whole", {"kv_heads": self.count, "head_dim": self.head_dim}
 
 
 @dataclass

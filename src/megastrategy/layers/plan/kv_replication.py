@@ -18,7 +18,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from megastrategy.divisors import divisors
-from megastrategy.layers.plan.drafts import Drafts
+from megastrategy.layers.plan.drafts import DraftEntry, Drafts
 from megastrategy.layers.unit_types import BuiltinUnit, KeyValueHeads
 
 __all__ = ["replicate_kv_heads", "replicates_kv_heads"]
@@ -41,16 +41,22 @@ def replicate_kv_heads(tp: int, drafts: Drafts, units: list[BuiltinUnit]) -> lis
             if d.unit is unit:
                 d.unit = new
                 if replicated and n in kv.members:
-                    d.style, d.kv_heads, d.head_dim, d.kv_replicas = "kv_whole", kv.count, kv.head_dim, tp // kv.count
+                    _replicate_entry(d, kv, tp)
         out.append(new)
     return out
 
 
+def _replicate_entry(d: DraftEntry, kv: KeyValueHeads, tp: int) -> None:
+    style, extra = kv.replicated_style()
+    d.style, d.packed_sections, d.packed_chunks, d.kv_replicas = style, None, None, tp // kv.count
+    d.q_heads, d.kv_heads, d.head_dim = extra.get("q_heads"), extra["kv_heads"], extra["head_dim"]
+
+
 def _replicated(unit: BuiltinUnit, kv: KeyValueHeads, tp: int) -> BuiltinUnit:
-    local = {"kv_heads": kv.count, "head_dim": kv.head_dim}
+    style, extra = kv.replicated_style()
     return replace(
         unit,
-        members=[(n, "kv_whole", dict(local)) if n in kv.members else (n, s, e) for n, s, e in unit.members],
+        members=[(n, style, dict(extra)) if n in kv.members else (n, s, e) for n, s, e in unit.members],
         checks=[c for c in unit.checks if c.attr != kv.check],
         divide_attrs=tuple(a for a in unit.divide_attrs if a not in kv.count_attrs + kv.group_attrs),
         set_attrs=tuple((a, 1) for a in kv.count_attrs) + tuple((a, kv.query_heads // tp) for a in kv.group_attrs),
@@ -63,6 +69,6 @@ def _advised(unit: BuiltinUnit, kv: KeyValueHeads) -> BuiltinUnit:
         return unit
     advice = (f"Or use tp in {{{', '.join(map(str, replicating))}}}: a multiple of the {kv.count} key/value head(s) "
               f"dividing the {kv.query_heads} query heads, which replicates each key/value head on tp/{kv.count} ranks.")
-    checks = [replace(c, advice=advice) if c.attr == kv.check else c for c in unit.checks]
+    checks = [replace(c, advice=f"{c.advice} {advice}".strip()) if c.attr == kv.check else c for c in unit.checks]
     return replace(unit, checks=checks)
 

@@ -86,6 +86,20 @@ def test_megastrategy_plan_prints_gpt_bigcode_at_tp2():
     assert "transformer.h.*.attn.c_proj  row" in report
 
 
+def test_falcons_grouped_layout_replicates_its_two_groups_at_tp4():
+    """8 query heads in 2 groups packed [2, 4 + 2, 4]: split by group at tp2; at tp4 rank r reads its 2 query
+    heads inside group r // 2's block and that group's key and value rows."""
+    attn = "transformer.h.0.self_attention"
+    assert resolve_tp_plan(tiny_model("falcon"), None, 2)[f"{attn}.query_key_value"].style == "column"
+    plan = resolve_tp_plan(tiny_model("falcon"), None, 4)
+    e = plan[f"{attn}.query_key_value"]
+    assert e.style == "multi_query" and e.extra["interleaved"] is True and e.extra["kv_replicas"] == 2
+    assert {f.attr: (f.old, f.new) for f in plan.fixups if f.module == attn} == {"num_heads": (8, 2), "num_kv_heads": (2, 1)}
+    layout = MultiQueryLayout(8, 2, 4, interleaved=True)  # group blocks of 24 rows: q 16, k 4, v 4
+    assert [layout.local_rows(r, 4) for r in range(4)] == [((0, 8), (16, 8)), ((8, 16),), ((24, 8), (40, 8)), ((32, 16),)]
+    assert layout.local_rows(1, 2) == ((24, 24),)  # tp2: its whole group
+
+
 def test_megastrategy_plan_prints_the_replicated_key_value_heads_of_qwen2_at_tp4():
     from megastrategy.layers.plan_report import plan_report
 
@@ -141,8 +155,9 @@ def test_the_layer_gives_one_devices_output_and_gradients_tp2():
 #: the Hugging Face multi-query layouts of the matrix (tests/layers/test_hf_matrix.py trains them at tp2): packed
 #: (GPT-BigCode, Falcon) and separate projections under a declared plan (Llama, Gemma with one key/value head);
 #: 4 query heads, one per rank at tp4, each rank computing the one key/value head. Llama and Qwen2 with 2
-#: key/value heads (grouped-query, Qwen2.5-1.5B's layout at tp4): each key/value head replicated on 2 ranks
-TP4_MODELS = ("gpt_bigcode:lm", "falcon-mqa:lm", "llama-mqa:lm", "gemma-mqa:lm", "llama:lm", "qwen2:lm")
+#: key/value heads (grouped-query, Qwen2.5-1.5B's layout at tp4), and Falcon's grouped layout (8 query heads in 2
+#: groups, packed per group): each key/value head replicated on 2 ranks
+TP4_MODELS = ("gpt_bigcode:lm", "falcon-mqa:lm", "llama-mqa:lm", "gemma-mqa:lm", "llama:lm", "qwen2:lm", "falcon:lm")
 _DECLARED = ("llama-mqa:lm", "gemma-mqa:lm", "llama:lm", "qwen2:lm")
 
 

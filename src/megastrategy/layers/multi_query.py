@@ -38,11 +38,14 @@ __all__ = ["MultiQueryLayout", "MultiQueryPackedLinear", "key_value_heads_of", "
 
 @dataclass(frozen=True)
 class MultiQueryLayout:
-    """``q_heads`` query heads, then ``kv_heads`` key and ``kv_heads`` value heads, each ``head_dim`` wide."""
+    """``q_heads`` query heads, then ``kv_heads`` key and ``kv_heads`` value heads, each ``head_dim`` wide;
+    ``interleaved``: per key/value head its query heads, key and value instead (Falcon's grouped
+    ``[kv_heads, q_heads/kv_heads + 2, head_dim]``)."""
 
     q_heads: int
     kv_heads: int
     head_dim: int
+    interleaved: bool = False
 
     @property
     def out_features(self) -> int:
@@ -62,14 +65,29 @@ class MultiQueryLayout:
                 f"tp={world} does not divide the {self.q_heads} query heads of a multi-query projection; "
                 f"use a tensor-parallel size that divides {self.q_heads}."
             )
+        if self.interleaved:
+            return self._interleaved_rows(rank, world)
         q, kv, _ = self.sections
         local = q // world
         first, count = key_value_heads_of(rank, world, self.kv_heads)
         k = (q + first * self.head_dim, count * self.head_dim)
         return _merged(((rank * local, local), k, (k[0] + kv, k[1])))
 
+    def _interleaved_rows(self, rank: int, world: int) -> tuple[tuple[int, int], ...]:
+        """Rank ``rank``'s query rows inside its group's block, then that group's key and value rows; where
+        ``world`` divides the groups, its whole groups."""
+        first, count = key_value_heads_of(rank, world, self.kv_heads)
+        per_group = self.q_heads // self.kv_heads
+        block = (per_group + 2) * self.head_dim
+        if count > 1 or world == self.kv_heads:
+            return ((first * block, count * block),)
+        local = self.q_heads // world * self.head_dim
+        at = first * block
+        return _merged(((at + rank % (world // self.kv_heads) * local, local), (at + per_group * self.head_dim, 2 * self.head_dim)))
+
     def as_extra(self) -> dict[str, Any]:
-        return {"q_heads": self.q_heads, "kv_heads": self.kv_heads, "head_dim": self.head_dim}
+        extra: dict[str, Any] = {"q_heads": self.q_heads, "kv_heads": self.kv_heads, "head_dim": self.head_dim}
+        return {**extra, "interleaved": True} if self.interleaved else extra
 
 
 def read_packed_qkv(op: str, width: int, parts: list[int], heads: set[int]) -> MultiQueryLayout | None:

@@ -73,12 +73,15 @@ class KeyValueHeads:
     count_attrs: tuple[str, ...] = ()
     group_attrs: tuple[str, ...] = ()
     packed: bool = False
+    #: packed per key/value head as ``[its query heads | k | v]`` (Falcon's grouped layout)
+    interleaved: bool = False
 
-    def replicated_style(self) -> tuple[str, dict[str, int]]:
+    def replicated_style(self) -> tuple[str, dict[str, Any]]:
         """The members' style and extra where tp replicates these heads."""
-        if self.packed:
-            return "multi_query", {"q_heads": self.query_heads, "kv_heads": self.count, "head_dim": self.head_dim}
-        return "kv_whole", {"kv_heads": self.count, "head_dim": self.head_dim}
+        if not self.packed:
+            return "kv_whole", {"kv_heads": self.count, "head_dim": self.head_dim}
+        extra: dict[str, Any] = {"q_heads": self.query_heads, "kv_heads": self.count, "head_dim": self.head_dim}
+        return "multi_query", {**extra, "interleaved": True} if self.interleaved else extra
 
 
 @dataclass

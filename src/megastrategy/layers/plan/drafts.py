@@ -51,6 +51,8 @@ class DraftEntry:
     q_heads: int | None = None
     kv_heads: int | None = None
     head_dim: int | None = None
+    #: ``multi_query``: packed per key/value head (Falcon's grouped ``[groups, q per group + 2, head_dim]``)
+    interleaved: bool | None = None
     #: ``kv_whole``: the ranks holding each key/value head (tp / its key/value heads)
     kv_replicas: int | None = None
 
@@ -71,6 +73,7 @@ class DraftEntry:
             q_heads=extra.get("q_heads"),
             kv_heads=extra.get("kv_heads"),
             head_dim=extra.get("head_dim"),
+            interleaved=extra.get("interleaved"),
         )
 
     @property
@@ -100,6 +103,7 @@ class DraftEntry:
             ("q_heads", self.q_heads),
             ("kv_heads", self.kv_heads),
             ("head_dim", self.head_dim),
+            ("interleaved", self.interleaved),
             ("kv_replicas", self.kv_replicas),
         )
         return {k: v for k, v in pairs if v is not None}

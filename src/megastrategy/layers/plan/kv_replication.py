@@ -50,6 +50,7 @@ def _replicate_entry(d: DraftEntry, kv: KeyValueHeads, tp: int) -> None:
     style, extra = kv.replicated_style()
     d.style, d.packed_sections, d.packed_chunks, d.kv_replicas = style, None, None, tp // kv.count
     d.q_heads, d.kv_heads, d.head_dim = extra.get("q_heads"), extra["kv_heads"], extra["head_dim"]
+    d.interleaved = extra.get("interleaved")
 
 
 def _replicated(unit: BuiltinUnit, kv: KeyValueHeads, tp: int) -> BuiltinUnit:
@@ -57,7 +58,7 @@ def _replicated(unit: BuiltinUnit, kv: KeyValueHeads, tp: int) -> BuiltinUnit:
     return replace(
         unit,
         members=[(n, style, dict(extra)) if n in kv.members else (n, s, e) for n, s, e in unit.members],
-        checks=[c for c in unit.checks if c.attr != kv.check],
+        checks=[c for c in unit.checks if c.attr not in (kv.check, *kv.count_attrs)],
         divide_attrs=tuple(a for a in unit.divide_attrs if a not in kv.count_attrs + kv.group_attrs),
         set_attrs=tuple((a, 1) for a in kv.count_attrs) + tuple((a, kv.query_heads // tp) for a in kv.group_attrs),
     )

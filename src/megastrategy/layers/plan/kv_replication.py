@@ -7,7 +7,9 @@ the query heads ``[r·n_q/tp, (r+1)·n_q/tp)`` (its column split) and the one ke
 ``r // (tp/n_kv)`` they belong to: its key/value projections become ``kv_whole``
 (:class:`~megastrategy.layers.multi_query.MultiQueryPackedLinear` reading that head's rows of the whole
 weight, the weight gradient summed over TP: zero on the rows a rank does not read, so the sum is the
-full model's gradient on every rank). The attention then counts one key/value head and ``n_q/tp``
+full model's gradient on every rank); a packed projection (LitGPT's ``[q | k | v]``, Falcon's per-group
+``[q per group | k | v]`` blocks: ``interleaved``) becomes ``multi_query`` reading the rank's query rows and
+its head's key and value rows. The attention then counts one key/value head and ``n_q/tp``
 query heads per key/value head (:attr:`~megastrategy.layers.unit_types.BuiltinUnit.set_attrs`).
 Where ``tp`` divides ``n_kv`` the key/value heads are split as usual; a ``tp`` that neither divides nor
 is a multiple of ``n_kv`` is refused by the size check on the key/value heads, whose advice names the

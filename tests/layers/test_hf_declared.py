@@ -51,11 +51,32 @@ def test_user_glob_beats_the_declaration():
     assert plan["model.layers.0.mlp.up_proj"].style == "column"
 
 
-def test_heads_must_divide_tp_including_gqa():
-    model = tiny_model("llama")
-    with pytest.raises(MegatronConfigError, match=r"tp=4 does not divide config\.num_key_value_heads=2 of "
-                                                  r"model\.layers\.0\.self_attn.*use tp in \{1, 2\}"):
-        resolve_tp_plan(model, None, 4)
+def test_heads_must_divide_tp_or_be_replicated_by_it():
+    """tp dividing the key/value heads splits them; a multiple of them replicates them; any other tp is refused,
+    naming both ways."""
+    model = tiny_model("llama", num_attention_heads=6, num_key_value_heads=2, hidden_size=48, intermediate_size=96)
+    with pytest.raises(MegatronConfigError, match=r"tp=3 does not divide config\.num_key_value_heads=2 of "
+                                                  r"model\.layers\.0\.self_attn.*use tp in \{1, 2\}\. Or use tp in "
+                                                  r"\{6\}: a multiple of the 2 key/value head\(s\)"):
+        resolve_tp_plan(model, None, 3)
+    assert resolve_tp_plan(model, None, 6)["model.layers.0.self_attn.k_proj"].style == "kv_whole"
+    with pytest.raises(MegatronConfigError, match=r"tp=8 does not divide config\.num_attention_heads=4"):
+        resolve_tp_plan(tiny_model("llama"), None, 8)  # 2 key/value heads, but 4 query heads
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral"])
+def test_fewer_key_value_heads_than_tp_are_replicated(arch):
+    """2 key/value heads at tp4 (Qwen2.5-1.5B's layout): each rank computes the key/value head its query head
+    reads (kv_whole, 2 ranks per head); the attention counts 4/4 = 1 query head per key/value head."""
+    plan = resolve_tp_plan(tiny_model(arch), None, 4)
+    attn = "model.layers.0.self_attn"
+    assert [plan[f"{attn}.{p}_proj"].style for p in "qkvo"] == ["column", "kv_whole", "kv_whole", "row"]
+    assert {k: plan[f"{attn}.k_proj"].extra[k] for k in ("kv_heads", "head_dim", "kv_replicas")} == {
+        "kv_heads": 2, "head_dim": 8, "kv_replicas": 2}
+    assert {(f.attr, f.old, f.new) for f in plan.fixups if f.module == attn} == {("num_key_value_groups", 2, 1)}
+    at_tp2 = resolve_tp_plan(tiny_model(arch), None, 2)  # one key/value head per rank: split as declared
+    assert [at_tp2[f"{attn}.{p}_proj"].style for p in "qkv"] == ["column"] * 3
+    assert not [f for f in at_tp2.fixups if f.module == attn]
 
 
 @pytest.mark.parametrize("arch", ["llama", "gemma"])

@@ -1,7 +1,7 @@
 """LitGPT models under tensor parallelism (``layers/litgpt_plans.py``): the multi-head attention's
 fused ``[q|k|v]`` is split in 3 packed chunks with per-attention head counts, a grouped-query one in
-3 packed sections of unequal sizes, an attention whose key/value groups ``tp`` does not divide is
-refused naming the plan that works, and tp=2 trains like one device with either."""
+3 packed sections of unequal sizes, key/value groups fewer than ``tp`` replicated (tp a multiple of
+them) or refused naming the plans that work, and tp=2 and tp=4 train like one device."""
 import pytest
 import torch
 
@@ -38,13 +38,30 @@ def test_grouped_query_attention_is_split_in_unequal_sections_each_rank_its_own_
     assert torch.equal(merge_shards([shard_full_tensor(rows, spec, r, 2) for r in range(2)], spec), rows)
 
 
-def test_key_value_groups_tp_does_not_divide_are_refused_naming_the_replicate_plan():
-    with pytest.raises(MegatronConfigError) as e:  # 2 groups at tp4: a rank's 1 query head, half a group
-        resolve_tp_plan(tiny_litgpt(groups=2), None, 4)
+def test_key_value_groups_fewer_than_tp_are_replicated_each_on_tp_over_groups_ranks():
+    plan = resolve_tp_plan(tiny_litgpt(groups=2), None, 4)  # 2 groups at tp4: rank r reads group r // 2
+    qkv = plan["transformer.h.0.attn.qkv"]
+    assert qkv.style == "multi_query"
+    assert {k: qkv.extra[k] for k in ("q_heads", "kv_heads", "head_dim", "kv_replicas")} == {
+        "q_heads": 4, "kv_heads": 2, "head_dim": 8, "kv_replicas": 2}
+    fixed = {f.attr: (f.old, f.new) for f in plan.fixups if f.module == "transformer.h.0.attn"}
+    assert fixed == {"config.n_head": (4, 1), "config.n_query_groups": (2, 1)}
+
+
+def test_key_value_groups_tp_neither_divides_nor_replicates_are_refused_naming_what_works():
+    from litgpt.config import Config
+    from litgpt.model import GPT
+
+    from tests.helpers.litgpt_runs import VARIANTS
+
+    model = GPT(Config(n_layer=2, n_embd=48, n_head=6, n_query_groups=2, block_size=32, vocab_size=128,
+                       padded_vocab_size=128, intermediate_size=96, **VARIANTS["llama"]))
+    with pytest.raises(MegatronConfigError) as e:  # 2 groups at tp3: a rank's 2 query heads, from two groups
+        resolve_tp_plan(model, None, 3)
     message = str(e.value)
     assert "config.n_query_groups=2 of transformer.h.0.attn" in message and "use tp in {1, 2}" in message
-    assert "'transformer.h.*.attn': 'replicate'" in message
-    plan = resolve_tp_plan(tiny_litgpt(groups=2), {"*": "auto", "transformer.h.*.attn": "replicate"}, 4)
+    assert "'transformer.h.*.attn': 'replicate'" in message and "Or use tp in {6}" in message
+    plan = resolve_tp_plan(model, {"*": "auto", "transformer.h.*.attn": "replicate"}, 3)
     sharded = {e.name for e in plan.entries if e.style != "replicate"}
     assert "transformer.h.0.mlp.fc_1" in sharded and "transformer.h.0.attn.qkv" not in sharded
 
@@ -60,6 +77,21 @@ def test_multi_query_splits_the_query_heads_and_keeps_the_key_value_head_whole()
 @pytest.mark.timeout(500)
 def test_litgpt_multi_head_grouped_and_multi_query_train_like_one_device_tp2():
     assert_litgpt_matches_ddp("--tp", "2", groups="4,2,1")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_litgpt_grouped_query_with_replicated_key_value_groups_trains_like_one_device_tp4():
+    """4 heads in 4, 2 (each group on 2 ranks) and 1 key/value groups, in the reference's one launch order
+    (each model's initial weights depend on the models built before it)."""
+    from tests.helpers.litgpt_runs import REFERENCE_GROUPS, litgpt_run
+
+    reference = litgpt_run(1, REFERENCE_GROUPS, "--strategy", "ddp")
+    ours = litgpt_run(4, REFERENCE_GROUPS, "--strategy", "megatron", "--tp", "4")
+    for g in REFERENCE_GROUPS.split(","):
+        got = ours[g]["losses"] + [ours[g]["val_loss"]]
+        want = reference[g]["losses"] + [reference[g]["val_loss"]]
+        assert len(got) == len(want) == 4 and max(abs(a - b) for a, b in zip(got, want)) < 2e-4, (g, got, want)
 
 
 @pytest.mark.parametrize("groups, packing", [(4, 3), (2, (32, 16, 16))])

@@ -23,12 +23,19 @@ def test_packed_qkv_layouts_are_read_from_split_sizes_or_a_view():
     assert read_packed_qkv("split", 32, [32, 0, 0], {4}) is None  # no key/value at all
 
 
-def test_local_rows_are_the_ranks_query_heads_and_every_key_value_row():
-    layout = MultiQueryLayout(4, 1, 8)
-    assert layout.local_rows(1, 2) == ((16, 16), (32, 16))
-    assert layout.local_rows(3, 4) == ((24, 8), (32, 16))
+def test_local_rows_are_the_ranks_query_heads_and_the_key_value_head_they_read():
+    layout = MultiQueryLayout(4, 1, 8)  # q rows 0-31, k 32-39, v 40-47
+    assert layout.local_rows(0, 2) == ((0, 16), (32, 16))
+    assert layout.local_rows(1, 2) == ((16, 32),)  # its query rows end where the key row begins
+    assert layout.local_rows(2, 4) == ((16, 8), (32, 16))
     with pytest.raises(MegatronConfigError, match="tp=8 does not divide the 4 query heads"):
         layout.local_rows(0, 8)
+    grouped = MultiQueryLayout(4, 2, 8)  # q 0-31, k heads at 32 and 40, v heads at 48 and 56
+    assert grouped.local_rows(1, 4) == ((8, 8), (32, 8), (48, 8))  # replicated: query head 1 reads head 0
+    assert grouped.local_rows(2, 4) == ((16, 8), (40, 8), (56, 8))
+    assert grouped.local_rows(1, 2) == ((16, 16), (40, 8), (56, 8))  # split: one key/value head each
+    with pytest.raises(MegatronConfigError, match="tp=3 neither divides nor is a multiple of the 2 key/value heads"):
+        MultiQueryLayout(6, 2, 8).local_rows(0, 3)
 
 
 def _styles(plan):
@@ -79,6 +86,28 @@ def test_megastrategy_plan_prints_gpt_bigcode_at_tp2():
     assert "transformer.h.*.attn.c_proj  row" in report
 
 
+def test_falcons_grouped_layout_replicates_its_two_groups_at_tp4():
+    """8 query heads in 2 groups packed [2, 4 + 2, 4]: split by group at tp2; at tp4 rank r reads its 2 query
+    heads inside group r // 2's block and that group's key and value rows."""
+    attn = "transformer.h.0.self_attention"
+    assert resolve_tp_plan(tiny_model("falcon"), None, 2)[f"{attn}.query_key_value"].style == "column"
+    plan = resolve_tp_plan(tiny_model("falcon"), None, 4)
+    e = plan[f"{attn}.query_key_value"]
+    assert e.style == "multi_query" and e.extra["interleaved"] is True and e.extra["kv_replicas"] == 2
+    assert {f.attr: (f.old, f.new) for f in plan.fixups if f.module == attn} == {"num_heads": (8, 2), "num_kv_heads": (2, 1)}
+    layout = MultiQueryLayout(8, 2, 4, interleaved=True)  # group blocks of 24 rows: q 16, k 4, v 4
+    assert [layout.local_rows(r, 4) for r in range(4)] == [((0, 8), (16, 8)), ((8, 16),), ((24, 8), (40, 8)), ((32, 16),)]
+    assert layout.local_rows(1, 2) == ((24, 24),)  # tp2: its whole group
+
+
+def test_megastrategy_plan_prints_the_replicated_key_value_heads_of_qwen2_at_tp4():
+    from megastrategy.layers.plan_report import plan_report
+
+    model = tiny_model("qwen2")
+    report = plan_report(model, resolve_tp_plan(model, None, 4))
+    assert "model.layers.*.self_attn.k_proj  kv_whole (kv_heads=2, head_dim=8, kv_replicas=2)" in report
+
+
 def _layer_exactness(rank, world):
     """The sharded layer on each rank against the full layer on one device; each rank's loss uses its
     query rows and the shared k/v rows (as attention does), the one-device loss is their sum."""
@@ -125,8 +154,11 @@ def test_the_layer_gives_one_devices_output_and_gradients_tp2():
 
 #: the Hugging Face multi-query layouts of the matrix (tests/layers/test_hf_matrix.py trains them at tp2): packed
 #: (GPT-BigCode, Falcon) and separate projections under a declared plan (Llama, Gemma with one key/value head);
-#: 4 query heads, one per rank at tp4, each rank computing the one key/value head
-TP4_MODELS = ("gpt_bigcode:lm", "falcon-mqa:lm", "llama-mqa:lm", "gemma-mqa:lm")
+#: 4 query heads, one per rank at tp4, each rank computing the one key/value head. Llama and Qwen2 with 2
+#: key/value heads (grouped-query, Qwen2.5-1.5B's layout at tp4), and Falcon's grouped layout (8 query heads in 2
+#: groups, packed per group): each key/value head replicated on 2 ranks
+TP4_MODELS = ("gpt_bigcode:lm", "falcon-mqa:lm", "llama-mqa:lm", "gemma-mqa:lm", "llama:lm", "qwen2:lm", "falcon:lm")
+_DECLARED = ("llama-mqa:lm", "gemma-mqa:lm", "llama:lm", "qwen2:lm")
 
 
 def _matrix(nprocs: int, *args: str) -> dict:
@@ -142,7 +174,7 @@ def _matrix(nprocs: int, *args: str) -> dict:
 def _assert_matches_one_device(got: dict, model: str) -> None:
     ref = _matrix(1, "--strategy", "ddp")[model]
     assert "loss" in got[model], (model, got[model])
-    source = "declared:" if model in ("llama-mqa:lm", "gemma-mqa:lm") else "structural:"
+    source = "declared:" if model in _DECLARED else "structural:"
     assert got[model]["sources"] and all(s.startswith(source) for s in got[model]["sources"]), model
     mine, want = got[model]["loss"] + [got[model]["val_loss"]], ref["loss"] + [ref["val_loss"]]
     assert len(mine) == len(want) == 4 and max(abs(a - b) for a, b in zip(mine, want)) <= 2e-4, (model, mine, want)
@@ -150,7 +182,7 @@ def _assert_matches_one_device(got: dict, model: str) -> None:
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_multi_query_models_match_one_device_tp4():
+def test_multi_and_grouped_query_models_match_one_device_tp4():
     tp4 = _matrix(4, "--strategy", "megatron", "--tp", "4")
     for model in TP4_MODELS:
         _assert_matches_one_device(tp4, model)

@@ -94,7 +94,7 @@ KNOWN_ARCHITECTURES = (
     "Llama/Mistral/Qwen2/Qwen3/StableLM",
     "torch.nn.TransformerEncoderLayer/TransformerDecoderLayer",
     "torch.nn.MultiheadAttention",
-    "LitGPT (litgpt.model.GPT; tp must divide n_query_groups)",
+    "LitGPT (litgpt.model.GPT; tp must divide n_query_groups or be a multiple of it)",
     "timm Vision Transformer blocks (Attention, Mlp)",
 )
 

@@ -25,10 +25,11 @@ model's output embeddings
 ``replicate``                      left alone
 =================================  =====================================================
 
-A declared attention with one key/value head (multi-query: ``num_key_value_heads=1``, Gemma-2B) cannot
-split its ``colwise`` ``k_proj``/``v_proj`` (one head): they become ``kv_whole``, computed whole on every
-rank with their gradients summed over TP (:mod:`megastrategy.layers.multi_query`), the query heads split
-as declared; ``num_key_value_groups`` is divided with the query heads.
+A declared attention with fewer key/value heads than ``tp`` (grouped-query: Qwen2.5-1.5B's 2 at tp4;
+multi-query: Gemma-2B's one) cannot split its ``colwise`` ``k_proj``/``v_proj``: the unit records them
+(:class:`~megastrategy.layers.unit_types.KeyValueHeads`) and plan resolution at such a tp replicates
+each key/value head on the ranks whose query heads read it, as Megatron does
+(:mod:`megastrategy.layers.plan.kv_replication`); the query heads split as declared.
 
 Every other style (MoE experts, MLA, ``local_params``, ``embedding_colwise``, ...) is
 *refused*: the module is listed in :attr:`DeclaredPlan.refused` and the plan resolution
@@ -45,7 +46,9 @@ from torch import nn
 
 from megastrategy.fused_experts import holds_expert_weights, is_fused_experts
 from megastrategy.layers.lora_plan import LORA_ADVICE, is_lora_layer, lora_members, lora_unsupported
-from megastrategy.layers.unit_types import HEAD_ATTRS, BuiltinUnit, Refusal, SizeCheck, is_hf_pretrained, is_linear_layer
+from megastrategy.layers.unit_types import (
+    GROUP_ATTRS, HEAD_ATTRS, BuiltinUnit, KeyValueHeads, Refusal, SizeCheck, is_hf_pretrained, is_linear_layer,
+)
 from megastrategy.naming import join_name, parent_name
 
 __all__ = ["TRANSLATION", "TRANSLATED_STYLES", "DeclaredPlan", "declared_plan"]
@@ -170,11 +173,6 @@ class _Translator:
         attention = splits_heads and _is_attention(owner_mod, kind)
         checks = self._head_checks(owner) if attention else []
         divide = HEAD_ATTRS if splits_heads else ()
-        whole_kv = self._whole_kv_projections(owner_mod, members) if attention else set()
-        if whole_kv:
-            members = [(n, "kv_whole" if n in whole_kv else st, {} if n in whole_kv else e) for n, st, e in members]
-            checks = [c for c in checks if c.attr != "config.num_key_value_heads"]
-            divide = tuple(a for a in HEAD_ATTRS if getattr(owner_mod, a, None) != 1) + ("num_key_value_groups",)
         return BuiltinUnit(
             arch=self.arch,
             kind=kind,
@@ -184,20 +182,27 @@ class _Translator:
             checks=checks,
             rng_region=(None, "attention_dropout") if splits_heads and has_dropout_p else None,
             origin="declared",
+            kv_heads=self._grouped_kv_heads(owner_mod, members) if attention else None,
         )
 
-    def _whole_kv_projections(self, owner_mod: nn.Module, members: list[tuple[str, str, dict[str, Any]]]) -> set[str]:
-        """The column members of a multi-query attention that hold its one key/value head (their output is
-        one head wide); empty unless the config has one key/value head and several query heads, or when a
-        member is a LoRA part (its adapter would have to follow)."""
+    def _grouped_kv_heads(self, owner_mod: nn.Module, members: list[tuple[str, str, dict[str, Any]]]) -> KeyValueHeads | None:
+        """Fewer key/value heads than query heads (grouped-query, multi-query): the column members as wide as
+        the key/value heads, replicated when tp exceeds them; ``None`` when the config does not count both
+        heads, or when a member is a LoRA part (its adapter would have to follow)."""
         config = self._text_config()
-        heads, kv_heads = getattr(config, "num_attention_heads", None), getattr(config, "num_key_value_heads", None)
-        head_dim = getattr(owner_mod, "head_dim", None)
-        if kv_heads != 1 or not isinstance(heads, int) or heads < 2 or not isinstance(head_dim, int):
-            return set()
+        heads, kv_heads = _int(getattr(config, "num_attention_heads", None)), _int(getattr(config, "num_key_value_heads", None))
+        head_dim = _int(getattr(owner_mod, "head_dim", None))
+        if heads is None or kv_heads is None or head_dim is None or not 0 < kv_heads < heads or heads % kv_heads:
+            return None
         if any(".lora_" in n or n.endswith(".base_layer") for n, _, _ in members):
-            return set()
-        return {n for n, st, e in members if st == "column" and not e and getattr(self._mod(n), "out_features", None) == head_dim}
+            return None
+        width = kv_heads * head_dim
+        kv = tuple(n for n, st, e in members if st == "column" and not e and getattr(self._mod(n), "out_features", None) == width)
+        if not kv:
+            return None
+        counts = tuple(a for a in HEAD_ATTRS if _int(getattr(owner_mod, a, None)) == kv_heads)
+        groups = tuple(a for a in GROUP_ATTRS if _int(getattr(owner_mod, a, None)) == heads // kv_heads)
+        return KeyValueHeads(kv_heads, heads, head_dim, kv, "config.num_key_value_heads", counts, groups)
 
     def _text_config(self) -> Any:
         config = getattr(self.root, "config", None)
@@ -220,6 +225,10 @@ class _Translator:
 
 def _is_attention(m: nn.Module, kind: str) -> bool:
     return hasattr(m, "head_dim") or "att" in kind.lower() or "att" in type(m).__name__.lower()
+
+
+def _int(value: Any) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
 
 
 def _is_plain_embedding(m: nn.Module) -> bool:

@@ -10,11 +10,13 @@ groups (GQA, MQA) it is column-parallel in 3 packed sections of unequal sizes
 key and value heads, which are exactly the groups its query heads read). Either way the attention
 gets its own config copy with the local head counts (``config.n_head`` and
 ``config.n_query_groups`` as dotted fix-ups, :mod:`megastrategy.layers.plan.dotted_attrs`).
+A tp that is a multiple of the groups (2 groups at tp4) replicates each group on tp/groups ranks
+(``multi_query`` reading rank r's query rows and its group's key and value rows;
+``config.n_query_groups`` set to 1, :mod:`megastrategy.layers.plan.kv_replication`).
 With one group (multi-query) the query heads are split and every rank computes the one key/value
 head whole (``multi_query``, :mod:`megastrategy.layers.multi_query`; ``n_query_groups`` stays 1 and
-LitGPT's forward repeats it for the local heads). When ``tp`` does not divide ``n_query_groups``
-otherwise, a rank's query heads would need key heads of another rank: the size check refuses,
-naming the plan that replicates the attention.
+LitGPT's forward repeats it for the local heads). A ``tp`` that neither divides ``n_query_groups``
+nor is a multiple of it is refused by the size check, naming the plan that replicates the attention.
 """
 from __future__ import annotations
 
@@ -22,7 +24,7 @@ from typing import Iterable, Union
 
 from torch import nn
 
-from megastrategy.layers.unit_types import BuiltinUnit, Refusal, SizeCheck, is_linear_layer
+from megastrategy.layers.unit_types import BuiltinUnit, KeyValueHeads, Refusal, SizeCheck, is_linear_layer
 from megastrategy.naming import join_name
 
 __all__ = ["litgpt_units"]
@@ -63,6 +65,9 @@ def _attention(name: str, m: nn.Module) -> Iterable[Union[BuiltinUnit, Refusal]]
                 SizeCheck(name, "config.n_query_groups", groups, "key/value head groups", advice=(
                     "Each rank's query heads must find their key/value heads on that rank; otherwise keep the "
                     f"attention whole with {_replicate_plan(name)} (the MLPs and embeddings stay sharded)."))],
+        kv_heads=None if groups == heads else KeyValueHeads(
+            groups, heads, size, (join_name(name, "qkv"),), "config.n_query_groups", ("config.n_query_groups",),
+            packed=True),
     )
 
 

@@ -12,7 +12,9 @@ rank, and a key/value row's is the sum of every rank's partial gradient (each ra
 attend to the shared keys), which is the full model's gradient, so the replicas stay identical,
 as :mod:`megastrategy.layers.grad_sum` keeps them. A multi-query attention with separate
 projections (a declared ``colwise`` ``k_proj``/``v_proj`` of one head: Gemma-2B) keeps each key/value
-projection whole the same way (``kv_whole``, :mod:`megastrategy.layers.hf_declared`). The input's gradient is summed over TP, as a
+projection whole the same way (``kv_whole``, :mod:`megastrategy.layers.hf_declared`); with several key/value
+heads, fewer than tp (grouped-query: 2 at tp4), each rank reads the rows of the one head its query heads
+read, the head replicated on tp/n_kv ranks (:mod:`megastrategy.layers.plan.kv_replication`). The input's gradient is summed over TP, as a
 column-parallel layer's is; with sequence parallelism the input is gathered along the sequence as a
 column-parallel layer gathers it (``sequence_parallel``, ``input_copy``: set by
 :mod:`megastrategy.layers.sequence_parallel`).
@@ -31,16 +33,19 @@ from megastrategy.layers.linear import column_parallel_input
 from megastrategy.layers.mappings import ProcessGroupRef, copy_to_tensor_parallel_region, group_rank, group_world_size
 from megastrategy.layers.unit_types import is_conv1d
 
-__all__ = ["MultiQueryLayout", "MultiQueryPackedLinear", "read_packed_qkv"]
+__all__ = ["MultiQueryLayout", "MultiQueryPackedLinear", "key_value_heads_of", "read_packed_qkv"]
 
 
 @dataclass(frozen=True)
 class MultiQueryLayout:
-    """``q_heads`` query heads, then ``kv_heads`` key and ``kv_heads`` value heads, each ``head_dim`` wide."""
+    """``q_heads`` query heads, then ``kv_heads`` key and ``kv_heads`` value heads, each ``head_dim`` wide;
+    ``interleaved``: per key/value head its query heads, key and value instead (Falcon's grouped
+    ``[kv_heads, q_heads/kv_heads + 2, head_dim]``)."""
 
     q_heads: int
     kv_heads: int
     head_dim: int
+    interleaved: bool = False
 
     @property
     def out_features(self) -> int:
@@ -52,19 +57,37 @@ class MultiQueryLayout:
         kv = self.kv_heads * self.head_dim
         return (self.q_heads * self.head_dim, kv, kv)
 
-    def local_rows(self, rank: int, world: int) -> tuple[tuple[int, int], tuple[int, int]]:
-        """``(start, length)`` of rank ``rank``'s query rows, and of the key/value rows every rank reads."""
+    def local_rows(self, rank: int, world: int) -> tuple[tuple[int, int], ...]:
+        """``(start, length)`` segments of rank ``rank``'s rows: its query heads, then the key and the value
+        rows of the key/value heads they read (adjacent segments merged)."""
         if self.q_heads % world:
             raise MegatronConfigError(
                 f"tp={world} does not divide the {self.q_heads} query heads of a multi-query projection; "
                 f"use a tensor-parallel size that divides {self.q_heads}."
             )
+        if self.interleaved:
+            return self._interleaved_rows(rank, world)
         q, kv, _ = self.sections
         local = q // world
-        return (rank * local, local), (q, 2 * kv)
+        first, count = key_value_heads_of(rank, world, self.kv_heads)
+        k = (q + first * self.head_dim, count * self.head_dim)
+        return _merged(((rank * local, local), k, (k[0] + kv, k[1])))
+
+    def _interleaved_rows(self, rank: int, world: int) -> tuple[tuple[int, int], ...]:
+        """Rank ``rank``'s query rows inside its group's block, then that group's key and value rows; where
+        ``world`` divides the groups, its whole groups."""
+        first, count = key_value_heads_of(rank, world, self.kv_heads)
+        per_group = self.q_heads // self.kv_heads
+        block = (per_group + 2) * self.head_dim
+        if count > 1 or world == self.kv_heads:
+            return ((first * block, count * block),)
+        local = self.q_heads // world * self.head_dim
+        at = first * block
+        return _merged(((at + rank % (world // self.kv_heads) * local, local), (at + per_group * self.head_dim, 2 * self.head_dim)))
 
     def as_extra(self) -> dict[str, Any]:
-        return {"q_heads": self.q_heads, "kv_heads": self.kv_heads, "head_dim": self.head_dim}
+        extra: dict[str, Any] = {"q_heads": self.q_heads, "kv_heads": self.kv_heads, "head_dim": self.head_dim}
+        return {**extra, "interleaved": True} if self.interleaved else extra
 
 
 def read_packed_qkv(op: str, width: int, parts: list[int], heads: set[int]) -> MultiQueryLayout | None:
@@ -89,6 +112,29 @@ def read_packed_qkv(op: str, width: int, parts: list[int], heads: set[int]) -> M
     return None
 
 
+def key_value_heads_of(rank: int, world: int, kv_heads: int) -> tuple[int, int]:
+    """``(first, count)`` of the key/value heads rank ``rank`` of ``world`` holds: its share where ``world``
+    divides them, else the one head its query heads read (``world`` a multiple of them: replicated)."""
+    if kv_heads % world == 0:
+        return rank * (kv_heads // world), kv_heads // world
+    if world % kv_heads == 0:
+        return rank // (world // kv_heads), 1
+    raise MegatronConfigError(
+        f"tp={world} neither divides nor is a multiple of the {kv_heads} key/value heads: a rank's query heads "
+        f"would read key/value heads of two ranks; use a tp that divides {kv_heads} or a multiple of it."
+    )
+
+
+def _merged(segments: tuple[tuple[int, int], ...]) -> tuple[tuple[int, int], ...]:
+    out: list[tuple[int, int]] = []
+    for start, length in segments:
+        if out and sum(out[-1]) == start:
+            out[-1] = (out[-1][0], out[-1][1] + length)
+        else:
+            out.append((start, length))
+    return tuple(out)
+
+
 def _rows(t: Tensor, dim: int, segments: tuple[tuple[int, int], ...]) -> Tensor:
     return torch.cat([t.narrow(dim, *seg) for seg in segments], dim=dim)
 
@@ -96,10 +142,11 @@ def _rows(t: Tensor, dim: int, segments: tuple[tuple[int, int], ...]) -> Tensor:
 class MultiQueryPackedLinear(nn.Module):
     """The user's packed projection (``nn.Linear``, or Hugging Face ``Conv1D`` stored ``[in, out]``)
     computing this rank's ``[q_r | k | v]``; its Parameters are the user's own, whole. With
-    ``layout=None`` it is a key/value projection of its own (``k_proj`` of a multi-query attention
-    whose q/k/v are separate layers): every rank computes all its rows."""
+    ``layout=None`` it is a key/value projection of its own (``k_proj`` of a grouped- or multi-query
+    attention whose q/k/v are separate layers) holding ``kv_heads`` heads: every rank computes the
+    rows of the head its query heads read (all rows for one head)."""
 
-    def __init__(self, layer: nn.Module, layout: MultiQueryLayout | None, group) -> None:
+    def __init__(self, layer: nn.Module, layout: MultiQueryLayout | None, group, kv_heads: int = 1) -> None:
         super().__init__()
         self.transposed = is_conv1d(layer)
         out_features = layer.weight.shape[1 if self.transposed else 0]
@@ -113,7 +160,13 @@ class MultiQueryPackedLinear(nn.Module):
         self.layout = layout
         self._group_ref = ProcessGroupRef(group)
         self.tp_rank, self.tp_size = group_rank(group), group_world_size(group)
-        self._segments = ((0, out_features),) if layout is None else layout.local_rows(self.tp_rank, self.tp_size)
+        self.kv_heads = layout.kv_heads if layout is not None else kv_heads
+        if layout is None:
+            first, count = key_value_heads_of(self.tp_rank, self.tp_size, kv_heads)
+            size = out_features // kv_heads
+            self._segments = ((first * size, count * size),)
+        else:
+            self._segments = layout.local_rows(self.tp_rank, self.tp_size)
         self.input_copy: Any = None
         self.sequence_parallel, self.sequence_dim = False, 0
 
@@ -130,6 +183,6 @@ class MultiQueryPackedLinear(nn.Module):
     def extra_repr(self) -> str:
         lay = self.layout
         if lay is None:
-            return f"key/value rows whole on every rank, tp={self.tp_size}, rank={self.tp_rank}"
-        return (f"q_heads={lay.q_heads} (local {lay.q_heads // self.tp_size}), kv_heads={lay.kv_heads} (whole), "
+            return f"key/value rows {self._segments}, kv_heads={self.kv_heads}, tp={self.tp_size}, rank={self.tp_rank}"
+        return (f"q_heads={lay.q_heads} (local {lay.q_heads // self.tp_size}), kv_heads={lay.kv_heads}, rows {self._segments}, "
                 f"head_dim={lay.head_dim}, tp={self.tp_size}, rank={self.tp_rank}")

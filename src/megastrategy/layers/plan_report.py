@@ -114,7 +114,7 @@ def plan_report(module: nn.Module, plan: ResolvedPlan, ep: int = 1) -> str:
     """The plan as text: sharded modules (one line per glob), replicated layers, parameters per rank."""
     groups: dict[tuple[str, str, str], int] = Counter()
     for e in plan.sharded:
-        shown = ("packed_chunks", "packed_sections", "gather_output", "split_input", "q_heads", "kv_heads", "head_dim")
+        shown = ("packed_chunks", "packed_sections", "gather_output", "split_input", "q_heads", "kv_heads", "head_dim", "interleaved", "kv_replicas")
         extra = ", ".join(f"{k}={v}" for k, v in e.extra.items() if k in shown)
         groups[(globify(e.name), e.style + (f" ({extra})" if extra else ""), describe_source(e.source))] += 1
     rows = [("module", "style", "source", "count")] + [(*k, str(n)) for k, n in groups.items()]

@@ -44,7 +44,7 @@ from torch import nn
 from megastrategy.layers.dataflow import DataFlow, FirstUse, trace_dataflow
 from megastrategy.layers.multi_query import MultiQueryLayout, read_packed_qkv
 from megastrategy.layers.random_ids_forward import forward_on_random_ids
-from megastrategy.layers.unit_types import HEAD_ATTRS, BuiltinUnit, Refusal, SizeCheck, is_linear_layer
+from megastrategy.layers.unit_types import GROUP_ATTRS, HEAD_ATTRS, BuiltinUnit, KeyValueHeads, Refusal, SizeCheck, is_linear_layer
 from megastrategy.naming import join_name, parent_name
 
 __all__ = ["structural_units"]
@@ -63,8 +63,6 @@ _KEEP_WHOLE = ("LongformerSelfAttention",)
 
 #: attention attributes that may hold the heads' concatenated width (see ``_width_attrs``)
 _WIDTH_ATTRS = ("embed_dim",)
-#: query heads per key/value head (Llama-style ``repeat_kv``): divided when the key/value heads stay whole
-_GROUP_ATTRS = ("num_key_value_groups",)
 
 
 def _head_counts(m: nn.Module) -> dict[str, int]:
@@ -105,6 +103,21 @@ def _packing(use: FirstUse | None, heads: set[int]) -> int | MultiQueryLayout | 
                 + ("two readings (heads outermost, or equal q/k/v chunks)" if readings else "no reading")
             )
     return f"the forward first applies {use.op} to its output, giving shapes {list(use.results)}"
+
+
+def _interleaved_groups(use: FirstUse | None, heads: set[int]) -> MultiQueryLayout | None:
+    """Falcon's grouped layout: the packed output viewed as ``[kv groups, q per group + 2, head_dim]``
+    (each group's query heads, key and value side by side); ``None`` for any other first use."""
+    if use is None or use.op not in _VIEW_OPS or len(use.results) != 1 or not heads:
+        return None
+    lead, q = len(use.shape) - 1, max(heads)
+    result = use.results[0]
+    groups, per_group, head_dim = (tuple(result[lead:]) + (0, 0, 0))[:3] if len(result) == lead + 3 else (0, 0, 0)
+    if result[:lead] != use.shape[:lead] or groups not in heads or not 0 < groups < q or q % groups:
+        return None
+    if per_group != q // groups + 2 or groups * per_group * head_dim != use.shape[-1]:
+        return None
+    return MultiQueryLayout(q, groups, head_dim, interleaved=True)
 
 
 #: what an MLP's first layer feeds first; a packed q/k/v is cut first (split, view, unsqueeze, ...)
@@ -168,6 +181,7 @@ class _Detector:
         if self.unrun_projections(owner) or type(self.modules[owner]).__name__ in _KEEP_WHOLE:
             return  # left whole: see unrun_projections, _KEEP_WHOLE
         chunks: int | MultiQueryLayout | str = 1
+        grouped = None
         if len(sources) == 1:
             (packed,) = sources
             counts = {v for a, v in heads.items() if a != "all_head_size"}
@@ -177,7 +191,17 @@ class _Detector:
                     f"structural detection cannot tell how the packed projection {self.full(packed)!r} holds "
                     f"q/k/v: {chunks}"), origin="structural"))
                 return
-        self.units.append(self._attention(owner, out, sources, chunks, heads))
+            grouped = _interleaved_groups(self.flow.first_use.get(packed), counts) if chunks == 1 else None
+        unit = self._attention(owner, out, sources, chunks, heads)
+        if grouped is not None:
+            unit.kv_heads = self._replicable_groups(owner, next(iter(sources)), grouped, heads)
+        self.units.append(unit)
+
+    def _replicable_groups(self, owner: str, packed: str, grouped: MultiQueryLayout, heads: dict[str, int]) -> KeyValueHeads:
+        """Falcon's key/value groups, replicated where tp exceeds them (:mod:`megastrategy.layers.plan.kv_replication`)."""
+        counts = tuple(a for a, v in heads.items() if v == grouped.kv_heads)
+        return KeyValueHeads(grouped.kv_heads, grouped.q_heads, grouped.head_dim, (self.full(packed),), counts[0],
+                             counts, packed=True, interleaved=True)
 
     def unrun_projections(self, owner: str) -> list[str]:
         """Linear layers of the attention ``owner`` that the probe forward never ran (Longformer's
@@ -223,7 +247,7 @@ class _Detector:
             return [(n, "column", {"packed_sections": chunks.sections}) for n in names], tuple(heads), checks
         kept = {a for a, v in heads.items() if v == chunks.kv_heads}
         module = self.modules[owner]
-        groups = tuple(a for a in _GROUP_ATTRS if getattr(module, a, None) == chunks.q_heads // chunks.kv_heads)
+        groups = tuple(a for a in GROUP_ATTRS if getattr(module, a, None) == chunks.q_heads // chunks.kv_heads)
         checks = [c for c in checks if c.attr not in kept] + [SizeCheck(names[0], "query heads", chunks.q_heads, "query heads")]
         return [(n, "multi_query", chunks.as_extra()) for n in names], tuple(a for a in heads if a not in kept) + groups, checks
 

@@ -14,7 +14,9 @@ from torch import nn
 
 __all__ = [
     "HEAD_ATTRS",
+    "GROUP_ATTRS",
     "SizeCheck",
+    "KeyValueHeads",
     "BuiltinUnit",
     "BuiltinDetection",
     "Refusal",
@@ -37,6 +39,9 @@ HEAD_ATTRS = (
     "num_kv_heads",
     "all_head_size",
 )
+#: query heads per key/value head (Llama-style ``repeat_kv``): unchanged while tp splits the key/value
+#: heads, set to the local query heads where they are replicated
+GROUP_ATTRS = ("num_key_value_groups",)
 
 
 @dataclass(frozen=True)
@@ -49,6 +54,34 @@ class SizeCheck:
     value: int
     what: str
     advice: str = ""
+
+
+@dataclass(frozen=True)
+class KeyValueHeads:
+    """A grouped-query attention's key/value heads, for a tp that exceeds them
+    (:mod:`megastrategy.layers.plan.kv_replication`): ``count`` key/value heads of ``head_dim``
+    shared by ``query_heads`` query heads. ``members``: the unit's projections holding them;
+    ``check``: the attribute of the unit's size check on their count; ``count_attrs``: the owner's
+    attributes that count them; ``group_attrs``: the owner's query heads per key/value head;
+    ``packed``: the members are ``[q | k | v]`` projections (LitGPT's ``qkv``), not ``k_proj``/``v_proj``."""
+
+    count: int
+    query_heads: int
+    head_dim: int
+    members: tuple[str, ...]
+    check: str
+    count_attrs: tuple[str, ...] = ()
+    group_attrs: tuple[str, ...] = ()
+    packed: bool = False
+    #: packed per key/value head as ``[its query heads | k | v]`` (Falcon's grouped layout)
+    interleaved: bool = False
+
+    def replicated_style(self) -> tuple[str, dict[str, Any]]:
+        """The members' style and extra where tp replicates these heads."""
+        if not self.packed:
+            return "kv_whole", {"kv_heads": self.count, "head_dim": self.head_dim}
+        extra: dict[str, Any] = {"q_heads": self.query_heads, "kv_heads": self.count, "head_dim": self.head_dim}
+        return "multi_query", {**extra, "interleaved": True} if self.interleaved else extra
 
 
 @dataclass
@@ -75,6 +108,10 @@ class BuiltinUnit:
     #: ``"builtin"`` (this project's class rules), ``"declared"`` (Hugging Face's tp_plan) or
     #: ``"structural"`` (traced data flow, :mod:`megastrategy.layers.structural_plans`)
     origin: str = "builtin"
+    #: fewer key/value heads than query heads: replicated over the ranks when tp exceeds them
+    kv_heads: KeyValueHeads | None = None
+    #: ``(attribute, per-rank value)`` set on ``owner`` whatever tp divides (replicated key/value heads)
+    set_attrs: tuple[tuple[str, int], ...] = ()
 
     @property
     def source(self) -> str:

@@ -254,13 +254,14 @@ class _ShardedLayerBuilder:
     def _multi_query(self, e: PlanEntry, m: nn.Module) -> nn.Module:
         from megastrategy.layers.multi_query import MultiQueryLayout, MultiQueryPackedLinear
 
-        layout = MultiQueryLayout(int(e.extra["q_heads"]), int(e.extra["kv_heads"]), int(e.extra["head_dim"]))
+        layout = MultiQueryLayout(int(e.extra["q_heads"]), int(e.extra["kv_heads"]), int(e.extra["head_dim"]),
+                                  interleaved=bool(e.extra.get("interleaved", False)))
         return MultiQueryPackedLinear(m, layout, self.group)
 
     def _kv_whole(self, e: PlanEntry, m: nn.Module) -> nn.Module:
         from megastrategy.layers.multi_query import MultiQueryPackedLinear
 
-        return MultiQueryPackedLinear(m, None, self.group)
+        return MultiQueryPackedLinear(m, None, self.group, kv_heads=int(e.extra.get("kv_heads", 1)))
 
 
 def _hook_rng_regions(

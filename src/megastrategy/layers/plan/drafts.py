@@ -47,10 +47,14 @@ class DraftEntry:
     bias_kwarg: str | None = None
     #: ``head_vector``: the attention's own per-head parameter vectors (DeBERTa v1's q_bias, v_bias)
     params: tuple[str, ...] | None = None
-    #: ``multi_query``: the packed projection's query and key/value heads and their size
+    #: ``multi_query`` (``kv_whole``: ``kv_heads``, ``head_dim``): the packed projection's query and key/value heads and their size
     q_heads: int | None = None
     kv_heads: int | None = None
     head_dim: int | None = None
+    #: ``multi_query``: packed per key/value head (Falcon's grouped ``[groups, q per group + 2, head_dim]``)
+    interleaved: bool | None = None
+    #: ``kv_whole``: the ranks holding each key/value head (tp / its key/value heads)
+    kv_replicas: int | None = None
 
     @classmethod
     def builtin(cls, style: str, source: str, unit: BuiltinUnit, extra: dict[str, Any]) -> "DraftEntry":
@@ -69,6 +73,7 @@ class DraftEntry:
             q_heads=extra.get("q_heads"),
             kv_heads=extra.get("kv_heads"),
             head_dim=extra.get("head_dim"),
+            interleaved=extra.get("interleaved"),
         )
 
     @property
@@ -98,6 +103,8 @@ class DraftEntry:
             ("q_heads", self.q_heads),
             ("kv_heads", self.kv_heads),
             ("head_dim", self.head_dim),
+            ("interleaved", self.interleaved),
+            ("kv_replicas", self.kv_replicas),
         )
         return {k: v for k, v in pairs if v is not None}
 

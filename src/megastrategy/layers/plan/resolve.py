@@ -7,6 +7,7 @@ from megastrategy.layers.builtin_plans import BuiltinUnit
 from megastrategy.layers.plan.context import PlanContext
 from megastrategy.layers.plan.coverage import add_known_replicated, check_coverage, drop_inside_attention
 from megastrategy.layers.plan.drafts import Drafts, add_layout, draft_entries
+from megastrategy.layers.plan.kv_replication import replicate_kv_heads
 from megastrategy.layers.plan.layer_kinds import type_name
 from megastrategy.layers.plan.match import effective_styles, match_rules
 from megastrategy.layers.plan.parametrized import refuse_parametrized
@@ -30,7 +31,7 @@ def resolve_tp_plan(module: nn.Module, tp_plan: dict[str, str] | None, tp_size: 
     ctx = PlanContext.of(module, tp_plan, tp_size)
     effective = effective_styles(ctx, match_rules(ctx))
     drafts = draft_entries(ctx, effective)
-    units = active_units(ctx.detection, drafts)
+    units = replicate_kv_heads(ctx.tp_size, drafts, active_units(ctx.detection, drafts))
     check_coverage(ctx, effective, drafts)
     add_known_replicated(ctx, effective, drafts)
     drop_inside_attention(drafts)

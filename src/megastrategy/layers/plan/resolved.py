@@ -19,11 +19,13 @@ class PlanEntry:
     ``TensorParallelMultiheadAttention``), ``dropout`` (an ``nn.Dropout`` on sharded
     activations, replaced by ``TensorParallelRegionDropout``), ``multi_query`` (a packed
     ``[q | k | v]`` with one key/value head: the query heads split, the key/value head whole) and
-    ``kv_whole`` (a one-head key/value projection of its own), both :mod:`megastrategy.layers.multi_query`.
+    ``kv_whole`` (a key/value projection of its own with fewer heads than ``tp``: each rank computes the head
+    its query heads read, :mod:`megastrategy.layers.plan.kv_replication`), both :mod:`megastrategy.layers.multi_query`.
 
     ``extra`` (a dict; treat it as read-only), keys present when relevant:
     ``packed_chunks`` (int > 1), ``packed_sections`` (the output sizes of unequal packed
-    projections, e.g. a grouped-query ``[q|k|v]``), ``q_heads``/``kv_heads``/``head_dim`` (``multi_query``), ``weight_layout`` (``"in_out"`` for HF ``Conv1D``),
+    projections, e.g. a grouped-query ``[q|k|v]``), ``q_heads``/``kv_heads``/``head_dim`` (``multi_query``; ``kv_heads``/``head_dim``/``kv_replicas``, the ranks
+    holding each head, for ``kv_whole``), ``weight_layout`` (``"in_out"`` for HF ``Conv1D``),
     ``input_copy`` (name of the parent whose column layers share one ``SharedInputCopy``),
     ``vocab_layer`` (``"embedding"`` or ``"head"``), ``tied_to`` (a vocab head's embedding),
     ``bias_aliases`` (attribute names on the head's parent that alias the head's bias and are

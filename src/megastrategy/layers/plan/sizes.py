@@ -55,6 +55,11 @@ class SizePass:
             value = get_dotted(owner_mod, attr)
             if _is_int(value):
                 self._fix(unit.owner, attr, value, "local heads/size", f"{unit.arch} {unit.kind}: local heads")
+        for attr, new in unit.set_attrs:
+            value = get_dotted(owner_mod, attr)
+            if _is_int(value) and value != new:
+                self.fixups[(unit.owner, attr)] = FixUp(
+                    unit.owner, attr, value, new, f"{unit.arch} {unit.kind}: key/value heads replicated")
 
     def _entry(self, n: str, d: DraftEntry, unit_owners: set[str]) -> None:
         m = self.ctx.modules[n]

@@ -122,6 +122,7 @@ def _assert_refused(got: dict, refused: dict) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(900)  # the reference and tp2 launches of every model (the launch's own limit is 900 s each)
 def test_tp2_matches_one_device_for_every_model():
     ref, tp2 = _reference(), _run("megatron", 2, MODELS + list(REFUSED_TP2), "--tp", "2")
     if os.environ.get("HF_MATRIX_JSON"):
